@@ -1,0 +1,1 @@
+"""An MLA-first LLM serving engine."""

@@ -1,0 +1,188 @@
+"""Frozen configuration: what the checkpoint is (ModelConfig) and how to serve it (EngineConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from the checkpoint's config.json.
+
+    `hf_config` keeps the transformers config object; it is the source for anything rarely needed
+    (RoPE scaling parameters are turned into frequencies by transformers' own RoPE functions).
+    """
+
+    path: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    # MLA (DeepSeek-V2/V3); zero for other models.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    hf_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture in MLA_ARCHITECTURES
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values stored per token per layer for MLA: the latent plus the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"no config.json in model directory {str(path)!r}")
+        raw = json.loads(config_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r} in {config_file}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hf = AutoConfig.from_pretrained(str(path))
+        eos = _eos_token_ids(path, raw)
+        heads = hf.num_attention_heads
+        common: dict[str, Any] = dict(
+            path=str(path),
+            architecture=arch,
+            hidden_size=hf.hidden_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=heads,
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=hf.max_position_embeddings,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            eos_token_ids=eos,
+            hf_config=hf,
+        )
+        if arch in MLA_ARCHITECTURES:
+            return cls(
+                num_key_value_heads=heads,
+                head_dim=hf.qk_nope_head_dim + hf.qk_rope_head_dim,
+                kv_lora_rank=hf.kv_lora_rank,
+                q_lora_rank=hf.q_lora_rank,
+                qk_nope_head_dim=hf.qk_nope_head_dim,
+                qk_rope_head_dim=hf.qk_rope_head_dim,
+                v_head_dim=hf.v_head_dim,
+                **common,
+            )
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        return cls(
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            **common,
+        )
+
+
+def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (preferred, as transformers does) or config.json."""
+    ids: list[int] = []
+    gen_file = path / "generation_config.json"
+    sources = [json.loads(gen_file.read_text())] if gen_file.is_file() else []
+    sources.append(raw)
+    for src in sources:
+        value = src.get("eos_token_id")
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else list(value)
+        break
+    return tuple(int(i) for i in ids)
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs. Every field can be set from model.json or `LLM(model, **overrides)`."""
+
+    model: str = "models/smollm2-135m-instruct"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8_e4m3"
+    page_size: int = 1
+    mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
+    max_total_tokens: int | None = None  # KV slots; None: measured (CUDA) or 16384 (CPU)
+    max_running_requests: int = 64
+    max_context_len: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill_size: int = 2048
+    schedule_policy: str = "lpm"
+    attention_backend: str = "auto"  # "auto", "torch_native" or "triton"
+    enable_cuda_graph: bool = True
+    cuda_graph_max_bs: int = 32
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 8
+    tp_size: int = 1
+    seed: int = 0
+    disable_radix_cache: bool = False
+    debug_checks: bool = False  # run the KV-slot integrity check whenever the engine is idle
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ConfigError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from a dict (model.json), rejecting unknown keys by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
