@@ -180,7 +180,8 @@ class EngineConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(
-                f"unknown engine config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"unknown engine config key(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
             )
         return cls(**values)
 

@@ -1,0 +1,173 @@
+"""The model runner owns every device tensor: weights, the request-to-token table, the KV pool,
+the attention backend. It turns a tensor-free `ScheduledBatch` into a `ForwardBatch` and runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
+from engine.executor.loader import load_weights
+from engine.layers.attention.base import AttentionBackend
+from engine.layers.attention.torch_native import TorchNativeBackend
+from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
+from engine.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+        self.config = config
+        self.model_config = model_config or ModelConfig.from_pretrained(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        mc = self.model_config
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = build_model(mc)
+        load_weights(self.model, mc.path, mc.num_hidden_layers)
+        self.model.eval()
+
+        self.max_total_tokens = self._kv_slots()
+        self.max_context_len = min(
+            config.max_context_len or mc.max_position_embeddings, self.max_total_tokens
+        )
+        # Row r of req_to_token maps position i of the request in row r to its KV slot.
+        self.max_running_requests = config.max_running_requests
+        self.req_to_token = torch.zeros(
+            self.max_running_requests, self.max_context_len, dtype=torch.int32, device=self.device
+        )
+        self.kv_pool = self._make_kv_pool(self.max_total_tokens)
+        self.attn_backend: AttentionBackend = TorchNativeBackend()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _make_kv_pool(self, size: int) -> KVPool:
+        mc, cfg = self.model_config, self.config
+        if mc.is_mla:
+            return MLATokenToKVPool(
+                size,
+                mc.num_hidden_layers,
+                mc.kv_lora_rank,
+                mc.qk_rope_head_dim,
+                self.dtype,
+                self.device,
+                cfg.kv_cache_dtype,
+            )
+        return MHATokenToKVPool(
+            size,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+            cfg.kv_cache_dtype,
+        )
+
+    def _kv_slots(self) -> int:
+        """How many token slots the KV pool gets: configured, or what fits in device memory."""
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_MAX_TOTAL_TOKENS
+        probe = self._make_kv_pool(1)
+        per_token = probe.bytes_per_token()
+        del probe
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1.0 - self.config.mem_fraction)
+        slots = int(budget // per_token)
+        if slots < 16:
+            raise RuntimeError(
+                f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free, "
+                f"mem_fraction={self.config.mem_fraction}"
+            )
+        logger.info("KV cache: %d slots (%.1f GiB)", slots, slots * per_token / 2**30)
+        return slots
+
+    # ---- forward ------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        positions: list[int] = []
+        input_ids: list[int] = []
+        seq_lens: list[int] = []
+        for e in batch.entries:
+            n = len(e.input_ids)
+            if e.prefix_slots is not None:
+                rows += [e.req_pool_idx] * e.prefix_len
+                cols += range(e.prefix_len)
+                vals += e.prefix_slots
+            rows += [e.req_pool_idx] * n
+            cols += range(e.prefix_len, e.prefix_len + n)
+            vals += e.out_cache_loc
+            positions += range(e.prefix_len, e.prefix_len + n)
+            input_ids += e.input_ids
+            seq_lens.append(e.prefix_len + n)
+        dev = self.device
+        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
+            torch.tensor(vals, dtype=torch.int32, device=dev)
+        )
+        fb = ForwardBatch(
+            mode=batch.mode,
+            batch_size=batch.batch_size,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.tensor(
+                [s for e in batch.entries for s in e.out_cache_loc], dtype=torch.int64, device=dev
+            ),
+            req_pool_indices=torch.tensor(
+                [e.req_pool_idx for e in batch.entries], dtype=torch.int64, device=dev
+            ),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=[e.prefix_len for e in batch.entries],
+            extend_lens_cpu=[len(e.input_ids) for e in batch.entries],
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        self.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+        """Run the batch; return float32 logits of each request's last token [B, V], or of every
+        input token [T, V] when `all_logits`."""
+        assert batch.mode == ForwardMode.DECODE or batch.num_tokens > 0
+        fb = self.prepare(batch)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if not all_logits:
+            last = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,249 @@
+"""DeepSeek-V2 / V2-Lite / V3: Multi-head Latent Attention over the latent KV pool, and MoE.
+
+Each token stores one row per layer: the compressed latent c_kv (kv_lora_rank) and the shared
+RoPE key k_pe (qk_rope_head_dim). Two attention paths read it:
+- decompressing (prefill): up-project the context's latents with kv_b_proj into per-head K and V
+  and run ordinary multi-head attention (head dim qk_nope + qk_rope for K, v_head_dim for V);
+- absorbed (decode): fold W_UK into the query (q_nope @ W_UK -> latent space) so every head attends
+  to the latent rows directly (multi-query attention, one KV head of width kv_lora_rank + rope),
+  then apply W_UV to the attention output. No per-head K or V is ever materialised.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.executor.forward_batch import ForwardBatch
+from engine.layers.attention.base import AttentionLayer
+from engine.layers.moe import Experts, TopkRouter
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.base import CausalLM, WeightTarget, default_targets
+from engine.models.llama import LlamaMLP
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(hf: Any, qk_head_dim: int) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale^2 when the context is stretched (V2-Lite, V3)."""
+    scaling = qk_head_dim**-0.5
+    params = getattr(hf, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = _yarn_mscale(params["factor"], params["mscale_all_dim"])
+        scaling *= m * m
+    return scaling
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.layer_id = layer_id
+        self.num_heads = h = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = r = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        qk_head_dim = config.head_dim
+        bias = bool(getattr(hf, "attention_bias", False))
+        hidden = config.hidden_size
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, r + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(r)
+        self.kv_b_proj = nn.Linear(r, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bias)
+        self.rotary = [rotary]
+        scaling = mla_softmax_scale(hf, qk_head_dim)
+        self.attn_mha = AttentionLayer(layer_id, h, h, qk_head_dim, self.v_head_dim, scaling)
+        self.attn_mqa = AttentionLayer(layer_id, h, 1, r + self.qk_rope_head_dim, r, scaling)
+        # Filled by post_load from kv_b_proj: W_UK [H, nope, r] and W_UV [H, v, r].
+        self.w_kc = torch.empty(0)
+        self.w_vc = torch.empty(0)
+        # Tests flip this to run prefill through the absorbed path too.
+        self.absorb_extend = False
+
+    def post_load(self) -> None:
+        w = self.kv_b_proj.weight.detach()
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()
+        self.w_vc = w[:, self.qk_nope_head_dim :].contiguous()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t, h = x.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, h, -1)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
+        if fb.is_decode or self.absorb_extend:
+            out = self._forward_absorbed(q_nope, q_pe, latent, fb)
+        else:
+            out = self._forward_decompressed(q_nope, q_pe, latent, fb)
+        return self.o_proj(out.reshape(t, h * self.v_head_dim))
+
+    def _forward_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
+        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + rope]
+        out_latent = self.attn_mqa(q, latent, None, fb)  # [T, H, r]
+        return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
+
+    def _forward_decompressed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, latent, None)
+        ctx, _ = fb.attn_backend.gather_context(self.layer_id, fb)  # [S, 1, r + rope]
+        s, h = ctx.shape[0], self.num_heads
+        c_ctx, kpe_ctx = ctx.squeeze(1).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_ctx).view(s, h, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, kpe_ctx.unsqueeze(1).expand(s, h, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return fb.attn_backend.forward_extend_ragged(q, k, v, self.attn_mha, fb)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        num_experts = _num_routed_experts(hf)
+        inter = hf.moe_intermediate_size
+        is_v3 = config.architecture == "DeepseekV3ForCausalLM"
+        self.gate = TopkRouter(hf, config.hidden_size, num_experts, is_v3)
+        self.experts = Experts(num_experts, config.hidden_size, inter)
+        n_shared = getattr(hf, "n_shared_experts", None) or 0
+        self.shared_experts = LlamaMLP(config.hidden_size, inter * n_shared) if n_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def _num_routed_experts(hf: Any) -> int:
+    for name in ("n_routed_experts", "num_local_experts", "num_experts"):
+        value = getattr(hf, name, None)
+        if value:
+            return int(value)
+    raise ValueError("DeepSeek config names no routed expert count (n_routed_experts)")
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.self_attn = MLAAttention(config, layer_id, rotary)
+        is_moe = _is_moe(hf) and layer_id >= (getattr(hf, "first_k_dense_replace", 0) or 0)
+        self.mlp: nn.Module = (
+            DeepseekMoE(config) if is_moe else LlamaMLP(config.hidden_size, hf.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _is_moe(hf: Any) -> bool:
+    try:
+        return _num_routed_experts(hf) > 0
+    except ValueError:
+        return False
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        interleaved = config.architecture == "DeepseekV2ForCausalLM" or bool(
+            getattr(hf, "rope_interleave", True)
+        )
+        self.rotary_emb = RotaryEmbedding(hf, config.qk_rope_head_dim, interleaved=interleaved)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, self.rotary_emb)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, fb)
+        return self.norm(x)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, fb):
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        targets = default_targets(self, skip=("experts.w13_weight", "experts.w2_weight"))
+        for i, layer in enumerate(self.model.layers):
+            if not isinstance(layer.mlp, DeepseekMoE):
+                continue
+            experts = layer.mlp.experts
+            inter = experts.intermediate_size
+            for e in range(experts.num_experts):
+                prefix = f"model.layers.{i}.mlp.experts.{e}."
+                w13, w2 = experts.w13_weight.data, experts.w2_weight.data
+                targets[prefix + "gate_proj.weight"] = WeightTarget(w13, (e, slice(0, inter)))
+                targets[prefix + "up_proj.weight"] = WeightTarget(w13, (e, slice(inter, None)))
+                targets[prefix + "down_proj.weight"] = WeightTarget(w2, (e,))
+        return targets
+
+    def tied_weights(self) -> dict[str, str]:
+        if self.config.tie_word_embeddings:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    def post_load(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for attn in self.mla_layers():
+            attn.post_load()
+
+    def set_absorb_extend(self, enabled: bool) -> None:
+        for attn in self.mla_layers():
+            attn.absorb_extend = enabled
+
+    def mla_layers(self) -> list[MLAAttention]:
+        return [cast(MLAAttention, layer.self_attn) for layer in self.model.layers]
+
+
+DeepseekV3ForCausalLM = DeepseekV2ForCausalLM

@@ -1,0 +1,55 @@
+"""What the engine hands back to callers: per-step deltas and whole results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One streamed step of a request (a delta), or the final result when `finished`.
+
+    `text`, `token_ids` and `logprobs` hold only what is new since the previous delta.
+    Exactly one delta per request has `finished=True`; it carries `finish_reason`
+    ("stop" | "length" | "abort") and, when the request failed, `error`.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, not the delta
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cumulative_logprob: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A whole finished request, as returned by `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[float] | None = None
+    cumulative_logprob: float = 0.0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine counters, read by the metrics exporter off the hot loop."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    prefix_cache_queried_tokens_total: int
+    finished_total: dict[str, int]
