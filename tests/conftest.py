@@ -23,3 +23,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    """The real default model, converted once (`make test` does it first; this lets pytest run
+    on its own too)."""
+    from engine.tools.prepare_default_model import main as prepare
+
+    prepare(["--out", DEFAULT_MODEL])
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory: pytest.TempPathFactory, default_model: str):
+    """Factory of small random DeepSeek checkpoints (with the default model's tokenizer), cached
+    per set of options."""
+    from pathlib import Path
+
+    from engine.tools.make_random_checkpoint import make_checkpoint
+
+    made: dict[tuple, str] = {}
+
+    def make(arch: str = "v2", **kwargs: object) -> str:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ds{arch}")
+            make_checkpoint(out, arch=arch, tokenizer_dir=Path(default_model), **kwargs)  # type: ignore[arg-type]
+            made[key] = str(out)
+        return made[key]
+
+    return make

@@ -1,0 +1,122 @@
+"""The serving engine: one background thread runs the engine loop; any thread submits work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_core import Callback, EngineCore
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    """Thread-safe front of the engine.
+
+    `add_request` validates and tokenizes in the caller's thread (raising ValueError before
+    anything is queued), then hands the request to the loop thread. The callback runs on the loop
+    thread once per delta, exactly once with `finished=True`; keep it cheap.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stats = self.core.stats()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    @property
+    def max_context_len(self) -> int:
+        return self.core.max_context_len
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        callback: Callback,
+    ) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
+        ids = self.core.tokenize(prompt)
+        self._submit(lambda: self._add(request_id, ids, params, callback))
+
+    def _add(self, rid: str, ids: list[int], params: SamplingParams, callback: Callback) -> None:
+        try:
+            self.core.add_request(rid, ids, params, callback)
+        except ValueError as e:  # a duplicate id: report it to this request only
+            callback(RequestOutput(rid, finished=True, finish_reason="abort", error=str(e)))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.core.abort(request_id))
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; aborts it if the consumer stops early."""
+        rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_delta(delta: RequestOutput) -> None:
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        self.add_request(rid, prompt, params, on_delta)
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, refreshed by the loop thread after every step."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._inbox.put(fn)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    self._inbox.get_nowait()()
+                except queue.Empty:
+                    break
+            try:
+                ran = self.core.step() if self.core.has_work() else False
+            except Exception as e:  # keep serving: fail the requests in flight, not the server
+                logger.exception("engine step failed")
+                self.core.fail_all(f"engine error: {e}")
+                ran = True
+            self._stats = self.core.stats()
+            if not ran:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+        self.core.fail_all("the engine is shutting down")

@@ -1,0 +1,138 @@
+"""Incremental, UTF-8 safe detokenization with stop strings.
+
+Decoding one token at a time is wrong twice over: a byte-level BPE token can hold part of a
+multi-byte UTF-8 character, and SentencePiece tokenizers drop the leading space of the first token
+of a decode. The prefix-offset / read-offset scheme of vLLM and TGI fixes both: decode a short
+window of recent tokens twice (with and without the newest tokens) and emit the difference, but
+only once the window does not end in U+FFFD (a character still being assembled).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# How many prompt tokens of left context the first window gets (as SGLang / vLLM).
+INITIAL_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text deltas, one token at a time.
+
+    Contract:
+      - `add(token_id)` returns the new text (possibly ""); `flush()` at finish returns what was
+        held back. While no stop string is hit, the concatenation of all deltas plus `flush()`
+        equals `tokenizer.decode(output_ids, skip_special_tokens=...)` for tokenizers whose decode
+        concatenates (byte-level BPE); for SentencePiece ones the prompt context additionally
+        gives the first token its leading space.
+      - A delta never ends inside a multi-byte character: text whose window ends in U+FFFD is
+        held until the character completes (or `flush()` releases it as decode would).
+      - Stop strings: once the output contains one, `stopped` is True, `stop_str` names it, the
+        text is cut just before it (the stop string itself is never emitted) and every later
+        `add` / `flush` returns "". A tail that could be the start of a stop string is held back
+        and released when it turns out not to be one.
+      - `text` is everything emitted so far; `output_ids` every token added.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop: list[str] = [s for s in (stop or []) if s]
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        # All ids (prompt + output); the window is ids[prefix_offset:], of which
+        # ids[prefix_offset:read_offset] has already been turned into text.
+        self._ids: list[int] = list(prompt_token_ids)
+        self._num_prompt = len(prompt_token_ids)
+        self._prefix_offset = max(len(self._ids) - INITIAL_CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)
+        if self._read_offset > self._prefix_offset and self._decode(
+            self._ids[self._prefix_offset : self._read_offset]
+        ).endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character (ids given directly); its bytes would merge with
+            # the output's, so decode the output on its own instead.
+            self._prefix_offset = self._read_offset
+        self._pending = ""  # decoded text not yet emitted (possible stop-string start)
+        self._emitted: list[str] = []
+        self.stopped = False
+        self.stop_str: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._emitted)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._ids[self._num_prompt :]
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the text that became final with it."""
+        self._ids.append(token_id)
+        if self.stopped:
+            return ""
+        return self._release(self._decode_window(final=False), final=False)
+
+    def flush(self) -> str:
+        """At finish: return all held-back text (incomplete characters decode as U+FFFD)."""
+        if self.stopped:
+            return ""
+        return self._release(self._decode_window(final=True), final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
+
+    def _decode_window(self, final: bool) -> str:
+        """New text of the window ids[prefix_offset:], or "" while it may be incomplete."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text):
+            # E.g. a skipped special token; nothing new, offsets stay so context is kept.
+            return ""
+        if new_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _release(self, delta: str, final: bool) -> str:
+        """Check stop strings on pending + delta and emit what can no longer start one."""
+        pending = self._pending + delta
+        if not self.stop:
+            self._pending = ""
+            return self._emit(pending)
+        # NOTE: a stop string cannot start inside already emitted text: we always hold back the
+        # longest tail that is a prefix of some stop string, so searching `pending` is enough.
+        hit: tuple[int, str] | None = None
+        for s in self.stop:
+            i = pending.find(s)
+            if i != -1 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is not None:
+            self.stopped = True
+            self.stop_str = hit[1]
+            self._pending = ""
+            return self._emit(pending[: hit[0]])
+        hold = 0 if final else self._stop_prefix_len(pending)
+        self._pending = pending[len(pending) - hold :]
+        return self._emit(pending[: len(pending) - hold])
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for k in range(min(len(text), self._max_stop_len - 1), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def _emit(self, s: str) -> str:
+        if s:
+            self._emitted.append(s)
+        return s

@@ -1,0 +1,215 @@
+"""The engine loop body: schedule a batch, run it, sample, detokenize, report deltas.
+
+`EngineCore.step()` is driven by the caller's thread in `LLM` and by a background thread in
+`AsyncEngine`; both use this one implementation. Only the driving thread may call its methods
+other than the read-only properties.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.executor.model_runner import ModelRunner
+from engine.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, make_generator
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Callback = Callable[[RequestOutput], None]
+
+
+@dataclass(eq=False)
+class _ReqState:
+    req: Req
+    callback: Callback
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    cumulative_logprob: float = 0.0
+    pending: RequestOutput | None = field(default=None)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_config.path)
+        self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
+        self.scheduler = Scheduler(
+            config,
+            self.runner.max_total_tokens,
+            self.runner.max_context_len,
+            self.runner.max_running_requests,
+        )
+        self.sampler = Sampler()
+        self.states: dict[str, _ReqState] = {}
+        self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+
+    # ---- inputs ------------------------------------------------------------------------------
+    @property
+    def max_context_len(self) -> int:
+        return min(self.runner.max_context_len, self.runner.max_total_tokens)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text is encoded as `tokenizer(text)` would), validated."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt).input_ids)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.runner.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_context_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_context_len} "
+                "tokens (prompt plus at least one generated token)"
+            )
+        return ids
+
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, callback: Callback
+    ) -> None:
+        if rid in self.states:
+            raise ValueError(f"request id {rid!r} is already running")
+        req = Req(rid=rid, prompt_ids=prompt_ids, params=params, arrival=0)
+        self.scheduler.add_request(req)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        self.states[rid] = _ReqState(
+            req=req,
+            callback=callback,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
+            ),
+            generator=None
+            if params.seed is None
+            else make_generator(params.seed, self.runner.device),
+            stop_ids=frozenset(stop_ids),
+        )
+
+    def abort(self, rid: str) -> None:
+        state = self.states.get(rid)
+        if state is not None:
+            self._finish(state, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop body -----------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one batch. Returns False when there was nothing to run."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return False
+        logits = self.runner.forward(out.batch)
+        next_ids: dict[int, int] = {}
+        logprobs: dict[int, float] = {}
+        if out.sample_rows:
+            reqs = [out.reqs[i] for i in out.sample_rows]
+            rows = torch.tensor(out.sample_rows, device=logits.device)
+            chosen = self._sample(logits[rows], reqs)
+            for i, row in enumerate(out.sample_rows):
+                next_ids[row] = int(chosen.next_token_ids[i])
+                if chosen.logprobs is not None:
+                    logprobs[row] = float(chosen.logprobs[i])
+        row_of = {id(req): row for row, req in enumerate(out.reqs)}
+        for req in self.scheduler.process_batch(out, next_ids):
+            self._on_token(self.states[req.rid], logprobs.get(row_of[id(req)]))
+        if self.config.debug_checks and not self.scheduler.has_work():
+            self.scheduler.check_integrity()
+        return True
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        states = [self.states[r.rid] for r in reqs]
+        # min_tokens: a request may not stop on a token before it has that many.
+        suppressed = [
+            sorted(st.stop_ids) if len(st.req.output_ids) < st.req.params.min_tokens else []
+            for st in states
+        ]
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in reqs],
+            [st.generator for st in states],
+            logits.device,
+            suppressed if any(suppressed) else None,
+        )
+        history = [r.all_ids for r in reqs] if info.penalized_rows else None
+        return self.sampler(logits, info, history)
+
+    def _on_token(self, state: _ReqState, logprob: float | None) -> None:
+        req, params = state.req, state.req.params
+        token = req.output_ids[-1]
+        delta = RequestOutput(request_id=req.rid, token_ids=[token])
+        if logprob is not None and params.logprobs:
+            delta.logprobs = [logprob]
+        if logprob is not None:
+            state.cumulative_logprob += logprob
+        state.pending = delta
+        if token in state.stop_ids:
+            self._finish(state, "stop")
+            return
+        delta.text = state.detokenizer.add(token)
+        if state.detokenizer.stopped:
+            self._finish(state, "stop")
+        elif len(req.output_ids) >= params.max_tokens or len(req.all_ids) >= self.max_context_len:
+            self._finish(state, "length")
+        else:
+            self._emit(state, delta)
+
+    def _finish(self, state: _ReqState, reason: str) -> None:
+        req = state.req
+        self.scheduler.finish(req, reason)
+        del self.states[req.rid]
+        self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
+        delta = state.pending or RequestOutput(request_id=req.rid)
+        if reason != "stop" or not state.detokenizer.stopped:
+            delta.text += state.detokenizer.flush()
+        delta.finished = True
+        delta.finish_reason = reason
+        self._emit(state, delta)
+
+    def _emit(self, state: _ReqState, delta: RequestOutput) -> None:
+        req = state.req
+        delta.num_prompt_tokens = len(req.prompt_ids)
+        delta.num_output_tokens = len(req.output_ids)
+        delta.cached_tokens = req.cached_tokens
+        delta.cumulative_logprob = state.cumulative_logprob
+        state.pending = None
+        try:
+            state.callback(delta)
+        except Exception:  # a caller's bug must not stop the engine
+            logger.exception("callback of request %s failed", req.rid)
+
+    def fail_all(self, error: str) -> None:
+        """End every request with an error (the loop hit an exception it cannot recover from)."""
+        for state in list(self.states.values()):
+            state.pending = RequestOutput(request_id=state.req.rid, error=error)
+            self._finish(state, "abort")
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        c = sched.counters
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=len(sched.waiting),
+            kv_cache_usage=sched.kv_usage(),
+            prompt_tokens_total=c.prompt_tokens,
+            generation_tokens_total=c.generation_tokens,
+            prefix_cache_hit_tokens_total=c.cache_hit_tokens,
+            prefix_cache_queried_tokens_total=c.cache_queried_tokens,
+            finished_total=dict(self.finished_total),
+        )

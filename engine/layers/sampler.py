@@ -1,0 +1,260 @@
+"""Batched token sampling from next-token logits.
+
+Pipeline per batch (logits [B, V], one row per request):
+  1. repetition penalty (Hugging Face rule) on every row that asks for it;
+  2. greedy rows: exactly `argmax` of the penalized logits (so greedy output matches
+     transformers' `generate(do_sample=False)` on the same logits);
+  3. other rows: / temperature -> softmax -> top-k -> top-p -> min-p -> draw one token.
+
+Per-request seeds: a request with a seed owns a `torch.Generator` (made once by the caller with
+`make_generator`) and its row is drawn with that generator alone, so its tokens do not depend on
+which other requests share the batch. Unseeded rows share torch's default generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator for one seeded request, on the device its draws will happen on."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class SampleOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32; None unless some request asked for logprobs
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-batch sampling tensors, built once per batch with `from_params`.
+
+    Row i describes request i of the batch, in the same order as the logits rows. The boolean
+    `need_*` flags are computed on the host so the sampler can skip whole stages without a
+    device sync.
+    """
+
+    temperatures: torch.Tensor  # [B, 1] float32; greedy rows hold 1.0 (never used)
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64; -1 = off
+    min_ps: torch.Tensor  # [B] float32
+    repetition_penalties: torch.Tensor  # [B] float32
+    is_greedy: torch.Tensor  # [B] bool
+    generators: list[torch.Generator | None]  # one per row; None = default generator
+    greedy_rows: list[int]
+    sampled_rows: list[int]
+    penalized_rows: list[int]  # rows with repetition_penalty != 1
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    return_logprobs: bool
+    device: torch.device
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device | str,
+        suppressed_token_ids: list[list[int]] | None = None,
+    ) -> SamplingBatchInfo:
+        """`suppressed_token_ids[i]`: ids row i must not produce this step (e.g. EOS and
+        stop_token_ids while a request is below min_tokens); the caller decides which."""
+        if len(params) != len(generators):
+            raise ValueError(f"{len(params)} params but {len(generators)} generators")
+        dev = torch.device(device)
+        suppressed = None
+        if suppressed_token_ids is not None:
+            if len(suppressed_token_ids) != len(params):
+                raise ValueError(
+                    f"{len(params)} params but {len(suppressed_token_ids)} suppressed_token_ids"
+                )
+            pairs = [(r, t) for r, ids in enumerate(suppressed_token_ids) for t in ids]
+            if pairs:
+                both = torch.tensor(pairs, dtype=torch.int64, device=dev)
+                suppressed = (both[:, 0], both[:, 1])
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        return cls(
+            temperatures=f32(temps).view(-1, 1),
+            top_ps=f32([p.top_p for p in params]),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            min_ps=f32([p.min_p for p in params]),
+            repetition_penalties=f32([p.repetition_penalty for p in params]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            generators=list(generators),
+            greedy_rows=[i for i, g in enumerate(greedy) if g],
+            sampled_rows=[i for i, g in enumerate(greedy) if not g],
+            penalized_rows=[i for i, p in enumerate(params) if p.repetition_penalty != 1.0],
+            suppressed=suppressed,
+            all_greedy=all(greedy),
+            need_top_k=any(p.top_k != -1 for p in sampled),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            return_logprobs=any(p.logprobs for p in params),
+            device=dev,
+        )
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    penalties: torch.Tensor,
+    token_history: list[list[int]],
+    rows: list[int],
+) -> torch.Tensor:
+    """Hugging Face's repetition penalty, out of place, on the given rows.
+
+    For every token id seen in a row's history (prompt + output so far): a logit > 0 is divided
+    by the penalty, otherwise it is multiplied by it (as `RepetitionPenaltyLogitsProcessor`).
+    logits [B, V] float32, penalties [B].
+    """
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for r in rows:
+        # Ids outside the logits' vocab (added tokens past lm_head) cannot be sampled; skip them.
+        toks = {t for t in set(token_history[r]) if 0 <= t < vocab}
+        row_idx.extend([r] * len(toks))
+        tok_idx.extend(toks)
+    if not row_idx:
+        return logits
+    r_t = torch.tensor(row_idx, dtype=torch.int64, device=logits.device)
+    t_t = torch.tensor(tok_idx, dtype=torch.int64, device=logits.device)
+    picked = logits[r_t, t_t]
+    pen = penalties[r_t]
+    out = logits.clone()
+    out[r_t, t_t] = torch.where(picked > 0, picked / pen, picked * pen)
+    return out
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero out tokens removed by top-k, then top-p, then min-p; same vocab order as `probs`.
+
+    probs [N, V] (rows = `info.sampled_rows`). Rows are not renormalized: the draw
+    (argmax of p / noise) is scale-free, and leaving untouched rows bit-identical keeps a seeded
+    request's draws independent of whether its batch needed filtering at all.
+    """
+    rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=probs.device)
+    vocab = probs.shape[-1]
+    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device).view(1, -1)
+    if info.need_top_k:
+        top_ks = info.top_ks[rows]
+        top_ks = torch.where(top_ks < 1, vocab, top_ks).view(-1, 1)
+        probs_sort = probs_sort.masked_fill(rank >= top_ks, 0.0)
+    if info.need_top_p:
+        # Smallest prefix whose mass reaches top_p of what top-k kept (as HF / vLLM: top-p
+        # acts on the renormalized top-k distribution). A token is kept when the mass strictly
+        # before it is < top_p; the top token always survives since that mass is 0.
+        cum = torch.cumsum(probs_sort, dim=-1)
+        kept_mass = cum[:, -1:]
+        before = cum - probs_sort
+        drop = before >= info.top_ps[rows].view(-1, 1) * kept_mass
+        drop[:, 0] = False
+        probs_sort = probs_sort.masked_fill(drop, 0.0)
+    if info.need_min_p:
+        threshold = probs_sort[:, :1] * info.min_ps[rows].view(-1, 1)
+        probs_sort = probs_sort.masked_fill(probs_sort < threshold, 0.0)
+    return torch.zeros_like(probs).scatter_(1, probs_idx, probs_sort)
+
+
+class Sampler(torch.nn.Module):
+    """Turns next-token logits into one token id per request.
+
+    `forward(logits [B, V], info, token_history)` -> `SampleOutput`:
+      - `token_history[i]` is request i's prompt + output ids so far; it is read only when some
+        row has repetition_penalty != 1 (pass None otherwise);
+      - ids in `info.suppressed` (see `from_params`) get -inf after the penalty, so they are
+        never chosen (unless a row suppresses its whole vocab);
+      - greedy rows return exactly `argmax` of the penalized logits (first index on ties);
+      - sampled rows draw from softmax(penalized logits / temperature) restricted by top-k,
+        top-p and min-p, in that order; seeded rows draw with their own generator only;
+      - `logprobs[i]` (when any request asked) is the log-probability of the chosen token under
+        the raw model distribution, log_softmax of the unprocessed logits. This is vLLM's default
+        ("raw logprobs"): it does not change with temperature or penalties, so a client can
+        compare it across sampling settings. Rows that did not ask get a value too; callers
+        ignore it.
+    The input logits are not modified.
+    """
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        token_history: list[list[int]] | None = None,
+    ) -> SampleOutput:
+        raw = logits.float()
+        batch, _vocab = raw.shape
+        if batch != info.batch_size:
+            raise ValueError(f"logits have {batch} rows, sampling info {info.batch_size}")
+
+        penalized = raw
+        if info.penalized_rows:
+            if token_history is None:
+                raise ValueError("repetition_penalty needs token_history")
+            penalized = apply_repetition_penalty(
+                raw, info.repetition_penalties, token_history, info.penalized_rows
+            )
+        if info.suppressed is not None:
+            if penalized is raw:
+                penalized = raw.clone()
+            penalized[info.suppressed] = float("-inf")
+
+        if info.all_greedy:
+            next_ids = torch.argmax(penalized, dim=-1)
+        else:
+            next_ids = self._sample(penalized, info)
+
+        logprobs = None
+        if info.return_logprobs:
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, next_ids.view(-1, 1)).view(-1)
+        return SampleOutput(next_ids, logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        next_ids = torch.argmax(logits, dim=-1)  # greedy rows keep this
+        rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=logits.device)
+        probs = torch.softmax(logits[rows] / info.temperatures[rows], dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs = filter_probs(probs, info)
+
+        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. draws token i with probability
+        # p_i (the Gumbel-max trick in another form). Each seeded row fills its own noise from
+        # its own generator, so its draw depends on nothing else in the batch; unseeded rows
+        # share one fill from the default generator.
+        noise = torch.empty_like(probs)
+        shared: list[int] = []  # positions in `rows` that use the default generator
+        for pos, row in enumerate(info.sampled_rows):
+            gen = info.generators[row]
+            if gen is None:
+                shared.append(pos)
+            else:
+                noise[pos].exponential_(generator=gen)
+        if len(shared) == len(info.sampled_rows):
+            noise.exponential_()
+        elif shared:
+            pos_t = torch.tensor(shared, dtype=torch.int64, device=logits.device)
+            noise[pos_t] = torch.empty_like(noise[pos_t]).exponential_()
+        # NOTE: Exp(1) can round to 0; clamp so a filtered token (p = 0) never gets 0/0 = NaN.
+        drawn = torch.argmax(probs / noise.clamp_min_(1e-10), dim=-1)
+        next_ids[rows] = drawn
+        return next_ids

@@ -1,0 +1,74 @@
+"""Offline, synchronous generation: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs the same engine loop as `AsyncEngine`, driven from the caller's thread."""
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        values = dict(overrides)
+        if model is not None:
+            values["model"] = model
+        self.config = EngineConfig.from_dict(values)
+        self.core = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt (text or token ids) at once; results in input order."""
+        prompt_list: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+        if len(param_list) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
+        # Validate everything before queuing anything.
+        token_ids = [self.core.tokenize(p) for p in prompt_list]
+        results: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+
+        def collect(delta: RequestOutput) -> None:
+            out = results[delta.request_id]
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+            if out.logprobs is not None:
+                out.logprobs += delta.logprobs
+            out.cumulative_logprob = delta.cumulative_logprob
+            out.cached_tokens = delta.cached_tokens
+            if delta.finished:
+                out.finish_reason = delta.finish_reason or "stop"
+
+        for ids, p in zip(token_ids, param_list, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            order.append(rid)
+            results[rid] = CompletionOutput(
+                rid, ids, "", [], "", logprobs=[] if p.logprobs else None
+            )
+            self.core.add_request(rid, ids, p, collect)
+        while self.core.has_work():
+            self.core.step()
+        return [results[rid] for rid in order]

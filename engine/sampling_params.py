@@ -1,0 +1,236 @@
+"""Per-request sampling parameters, validated at construction.
+
+`SamplingParams` is the one place where user-supplied sampling settings are checked. Everything
+downstream (scheduler, sampler, detokenizer) trusts a constructed instance. Requests arriving over
+the wire (Triton's `sampling_parameters` input, a JSON object) go through `from_json` /
+`from_dict`, which also accept numbers and booleans sent as strings, since clients such as
+genai-perf send `{"max_tokens": "16"}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is missing, of the wrong type, or out of range.
+
+    The message names the field and the offending value.
+    """
+
+
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the continuation of one request.
+
+    Contract:
+      - `validate()` runs in `__post_init__`; an instance that exists is valid. Mutating a field
+        afterwards is the caller's responsibility (call `validate()` again).
+      - `top_k` of 0 or -1 means "off" and is normalized to -1.
+      - `stop` is always a list of non-empty strings (None or a single string are accepted and
+        normalized); `stop_token_ids` is always a list of non-negative ints.
+      - `min_tokens` suppresses EOS / stop tokens until that many tokens were generated;
+        `ignore_eos` keeps generating past EOS until `max_tokens`.
+      - `logprobs=True` asks for the log-probability of each chosen token (see `Sampler`).
+      - `seed` makes this request's draws reproducible regardless of the batch it runs in.
+      - Greedy decoding (`is_greedy`) is temperature == 0 or top_k == 1.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalize the accepted shorthands before validating.
+        stop: Any = self.stop
+        if stop is None:
+            self.stop = []
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            self.stop = list(stop)
+        ids: Any = self.stop_token_ids
+        if ids is None:
+            self.stop_token_ids = []
+        elif isinstance(ids, (list, tuple)):
+            self.stop_token_ids = list(ids)
+        if _is_int(self.top_k) and self.top_k == 0:
+            self.top_k = -1
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if _is_int(value):
+                setattr(self, name, float(value))
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalized) logits."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise `SamplingParamsError` naming the first invalid field and its value."""
+        for name in _INT_FIELDS:
+            if not _is_int(getattr(self, name)):
+                _fail(name, getattr(self, name), "must be an integer")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, float) or math.isnan(value):
+                _fail(name, value, "must be a number")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be true or false")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "must be an integer or null")
+
+        if self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be >= 1")
+        if self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            _fail("temperature", self.temperature, "must be a finite number >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            _fail("top_k", self.top_k, "must be -1 or 0 (off) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        if not self.repetition_penalty > 0.0 or math.isinf(self.repetition_penalty):
+            _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+
+        if not isinstance(self.stop, list):
+            _fail("stop", self.stop, "must be a string, a list of strings, or null")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _fail("stop", s, "entries must be non-empty strings")
+        if not isinstance(self.stop_token_ids, list):
+            _fail("stop_token_ids", self.stop_token_ids, "must be a list of token ids or null")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                _fail("stop_token_ids", t, "entries must be integers >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a wire-format dict (e.g. the parsed `sampling_parameters` JSON).
+
+        Unknown keys are rejected by name. Numeric fields accept numeric strings ("16", "0.7"),
+        boolean fields accept true/false and the strings "true"/"false". `n` is accepted only
+        when it equals 1 (one sequence per request is all this engine produces).
+        """
+        if not isinstance(d, dict):
+            raise SamplingParamsError(
+                f"sampling parameters must be a JSON object, got {type(d).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key == "n":
+                if _coerce_int("n", value) != 1:
+                    _fail("n", value, "only n=1 is supported")
+                continue
+            if key not in known:
+                raise SamplingParamsError(
+                    f"unknown sampling parameter {key!r}; known: {', '.join(sorted(known))}"
+                )
+            kwargs[key] = _coerce(key, value)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> SamplingParams:
+        """Parse a JSON object of sampling parameters; an empty string means all defaults."""
+        if isinstance(s, bytes):
+            s = s.decode("utf-8")
+        if not s.strip():
+            return cls()
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise SamplingParamsError(f"sampling parameters are not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise SamplingParamsError(
+                f"sampling parameters must be a JSON object, got {type(d).__name__}"
+            )
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (round-trips through `from_dict`)."""
+        return dataclasses.asdict(self)
+
+
+def _fail(name: str, value: Any, why: str) -> NoReturn:
+    raise SamplingParamsError(f"{name}={value!r}: {why}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn wire-format values (numeric / boolean strings) into the field's Python type."""
+    if name in _INT_FIELDS or (name == "seed" and value is not None):
+        return _coerce_int(name, value)
+    if name in _FLOAT_FIELDS:
+        return _coerce_float(name, value)
+    if name in _BOOL_FIELDS:
+        return _coerce_bool(name, value)
+    if name == "stop_token_ids" and isinstance(value, (list, tuple)):
+        return [_coerce_int(name, v) for v in value]
+    return value
+
+
+def _coerce_int(name: str, value: Any) -> int:
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                f = math.nan
+            if f.is_integer():
+                return int(f)
+    _fail(name, value, "must be an integer")
+
+
+def _coerce_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    _fail(name, value, "must be a number")
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    _fail(name, value, "must be true or false")

@@ -1,0 +1,61 @@
+"""A request as the scheduler sees it: token ids, slot ids and counters. No tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.mem_cache.radix_cache import TreeNode
+    from engine.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or retracted back to the queue
+    PREFILL = "prefill"  # admitted; its input is being computed chunk by chunk
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request.
+
+    NOTE: `kv_slots[i]` holds the KV of token `all_ids[i]`; the first `len(prefix)` of them
+    belong to the radix tree (pinned through `last_node`'s lock), the rest to this request.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order, for fcfs and retraction choice
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    req_pool_idx: int = -1
+    kv_slots: list[int] = field(default_factory=list)
+    last_node: TreeNode | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_retractions: int = 0
+    finish_reason: str | None = None
+    # Set by the scheduler when choosing the waiting order (longest prefix match policy).
+    match_len_hint: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the pool."""
+        return len(self.kv_slots)
+
+    @property
+    def fill_len(self) -> int:
+        """Tokens that must be in the KV cache before the next token can be sampled: the prompt
+        and every output token but the last (whose KV is written by the next decode step)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == ReqStatus.FINISHED

@@ -1,0 +1,312 @@
+"""Continuous batching with chunked prefill, prefix-aware admission and retraction. No tensors.
+
+Each `schedule()` returns one batch: a prefill batch (chunks of waiting or partly prefilled
+requests, up to `chunked_prefill_size` tokens) when there is prefill work that fits, otherwise a
+decode batch of every running request. New requests therefore join between decode steps. When a
+decode step cannot get a slot for every running request, even after evicting unlocked prefixes
+from the radix cache, the most recently admitted requests are retracted: their computed tokens go
+into the radix tree (unlocked, so they can be evicted and recomputed later) and they return to the
+front of the queue, keeping their output so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
+from engine.mem_cache.allocator import TokenSlotAllocator
+from engine.mem_cache.radix_cache import RadixCache
+from engine.scheduler.request import Req, ReqStatus
+
+LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
+
+
+@dataclass
+class ScheduleOutput:
+    """The batch to run, the requests in it (same order), and which rows need a sampled token."""
+
+    batch: ScheduledBatch
+    reqs: list[Req]
+    sample_rows: list[int]
+
+
+@dataclass
+class SchedulerCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cache_hit_tokens: int = 0
+    cache_queried_tokens: int = 0
+    computed_prefill_tokens: int = 0  # prefill tokens actually run through the model
+    retractions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, max_total_tokens: int, max_context_len: int, max_running: int
+    ) -> None:
+        if config.page_size != 1:
+            raise ValueError("page_size > 1 is not supported by the scheduler yet; use 1")
+        self.config = config
+        self.max_context_len = max_context_len
+        self.max_running = max_running
+        self.allocator = TokenSlotAllocator(max_total_tokens, config.page_size)
+        self.tree = RadixCache(self.allocator, config.page_size, disable=config.disable_radix_cache)
+        self.free_rows = list(range(max_running - 1, -1, -1))
+        self.waiting: list[Req] = []
+        self.prefilling: list[Req] = []  # admitted, input not fully computed yet
+        self.running: list[Req] = []  # decoding
+        self.counters = SchedulerCounters()
+        self._arrival = itertools.count()
+        self._row_dirty: set[str] = set()  # rids whose req_to_token row must be rewritten
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        limit = min(self.max_context_len, self.allocator.size)
+        if len(req.prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(req.prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(req.prompt_ids)} tokens; the context limit is {limit} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        req.arrival = next(self._arrival)
+        self.waiting.append(req)
+        self.counters.prompt_tokens += len(req.prompt_ids)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def find(self, rid: str) -> Req | None:
+        for req in itertools.chain(self.waiting, self.prefilling, self.running):
+            if req.rid == rid:
+                return req
+        return None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def schedule(self) -> ScheduleOutput | None:
+        out = self._schedule_prefill()
+        if out is None and self.running:
+            out = self._schedule_decode()
+        if out is None and self.prefilling:
+            # Only partly prefilled requests hold memory and none can proceed: push back all but
+            # the oldest, whose input always fits once the others' slots are evictable.
+            for req in sorted(self.prefilling, key=lambda r: r.arrival)[1:]:
+                self.retract(req)
+            out = self._schedule_prefill()
+        return out
+
+    def _waiting_order(self) -> list[Req]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            for req in self.waiting:
+                req.match_len_hint = len(self.tree.match_prefix(req.all_ids).slots)
+            # Stable sort: equal matches keep arrival order; retracted requests sit in front.
+            return sorted(self.waiting, key=lambda r: -r.match_len_hint)
+        return list(self.waiting)
+
+    def _schedule_prefill(self) -> ScheduleOutput | None:
+        budget = self.config.chunked_prefill_size
+        entries: list[BatchEntry] = []
+        reqs: list[Req] = []
+        sample_rows: list[int] = []
+        candidates = list(self.prefilling) + self._waiting_order()
+        for req in candidates:
+            if budget <= 0:
+                break
+            admitted_now = req.status == ReqStatus.WAITING
+            if admitted_now and not self._admit(req):
+                break
+            prefix_len = req.num_computed
+            n = min(req.fill_len - prefix_len, budget)
+            # Keep a slot free for every decoding request's next step; retraction handles the
+            # rest if they grow past what is left.
+            slots = self._alloc(n, reserve=len(self.running))
+            if slots is None:
+                if admitted_now:
+                    self._unadmit(req)
+                break
+            rewrite = admitted_now or req.rid in self._row_dirty
+            self._row_dirty.discard(req.rid)
+            entries.append(
+                BatchEntry(
+                    req.req_pool_idx,
+                    req.all_ids[prefix_len : prefix_len + n],
+                    prefix_len,
+                    slots,
+                    prefix_slots=list(req.kv_slots) if rewrite else None,
+                )
+            )
+            req.kv_slots += slots
+            if prefix_len + n == req.fill_len and not req.output_ids:
+                sample_rows.append(len(reqs))
+            reqs.append(req)
+            budget -= n
+            self.counters.computed_prefill_tokens += n
+        if not entries:
+            return None
+        return ScheduleOutput(ScheduledBatch(ForwardMode.EXTEND, entries), reqs, sample_rows)
+
+    def _admit(self, req: Req) -> bool:
+        """Give a waiting request a req_to_token row and its cached prefix (locked)."""
+        if not self.free_rows or self.num_running >= self.max_running:
+            return False
+        # At least one token is always computed, so the last input token yields logits.
+        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node = match.last_node
+        req.kv_slots = list(match.slots)
+        req.req_pool_idx = self.free_rows.pop()
+        req.status = ReqStatus.PREFILL
+        if req.num_retractions == 0:
+            req.cached_tokens = len(match.slots)
+            self.counters.cache_hit_tokens += len(match.slots)
+            self.counters.cache_queried_tokens += len(req.prompt_ids)
+        self.waiting.remove(req)
+        self.prefilling.append(req)
+        return True
+
+    def _unadmit(self, req: Req) -> None:
+        assert req.last_node is not None
+        self.tree.dec_lock_ref(req.last_node)
+        if req.num_retractions == 0:
+            self.counters.cache_hit_tokens -= req.cached_tokens
+            self.counters.cache_queried_tokens -= len(req.prompt_ids)
+        self._release_row(req)
+        req.status = ReqStatus.WAITING
+        self.prefilling.remove(req)
+        self.waiting.insert(0, req)
+
+    def _schedule_decode(self) -> ScheduleOutput:
+        slots = self._alloc(len(self.running), reserve=0)
+        while slots is None:
+            if len(self.running) == 1 and not self.prefilling:
+                raise RuntimeError(
+                    "the KV pool cannot hold a single request; raise max_total_tokens"
+                )
+            self.retract(max(self.running, key=lambda r: r.arrival))
+            slots = self._alloc(len(self.running), reserve=0) if self.running else []
+        entries = []
+        for req, slot in zip(self.running, slots, strict=True):
+            rewrite = req.rid in self._row_dirty
+            self._row_dirty.discard(req.rid)
+            entries.append(
+                BatchEntry(
+                    req.req_pool_idx,
+                    [req.output_ids[-1]],
+                    req.num_computed,
+                    [slot],
+                    prefix_slots=list(req.kv_slots) if rewrite else None,
+                )
+            )
+            req.kv_slots.append(slot)
+        reqs = list(self.running)
+        return ScheduleOutput(
+            ScheduledBatch(ForwardMode.DECODE, entries), reqs, list(range(len(reqs)))
+        )
+
+    def _alloc(self, n: int, reserve: int) -> list[int] | None:
+        """n slots, evicting unlocked cached prefixes if needed; None if they cannot be had
+        while leaving `reserve` slots obtainable."""
+        short = n + reserve - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        if self.allocator.available_size() < n + reserve:
+            return None
+        return self.allocator.alloc(n)
+
+    # ---- after the forward -------------------------------------------------------------------
+    def process_batch(self, out: ScheduleOutput, next_ids: dict[int, int]) -> list[Req]:
+        """Record the forward's results. `next_ids` maps sampled rows to their new token.
+
+        Returns the requests that received a token (the engine checks them for stop conditions
+        and calls `finish`)."""
+        got_token: list[Req] = []
+        for row, req in enumerate(out.reqs):
+            if req.finished:  # aborted while the batch ran
+                continue
+            if out.batch.mode == ForwardMode.EXTEND:
+                self._cache_progress(req)
+                if req.num_computed == req.fill_len:
+                    self.prefilling.remove(req)
+                    self.running.append(req)
+                    req.status = ReqStatus.DECODE
+            if row in next_ids:
+                req.output_ids.append(next_ids[row])
+                self.counters.generation_tokens += 1
+                got_token.append(req)
+        return got_token
+
+    def _cache_progress(self, req: Req) -> None:
+        """Share what a prefill chunk computed through the radix tree."""
+        assert req.last_node is not None
+        computed = req.all_ids[: req.num_computed]
+        match = self.tree.cache_unfinished(computed, req.kv_slots, req.last_node)
+        if not self.tree.disable:
+            if match.slots != req.kv_slots[: len(match.slots)]:
+                self._row_dirty.add(req.rid)  # another request had cached these tokens first
+            req.kv_slots = match.slots + req.kv_slots[len(match.slots) :]
+            req.last_node = match.last_node
+
+    def finish(self, req: Req, reason: str) -> None:
+        """End a request (stop, length or abort): cache its KV, release its row and lock."""
+        if req.finished:
+            return
+        if req.status == ReqStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            computed = req.all_ids[: req.num_computed]
+            self.tree.cache_finished(computed, req.kv_slots, req.last_node)
+            self._release_row(req)
+            (self.running if req.status == ReqStatus.DECODE else self.prefilling).remove(req)
+        req.kv_slots = []
+        req.last_node = None
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self._row_dirty.discard(req.rid)
+
+    def retract(self, req: Req) -> None:
+        """Preempt an admitted request back to the front of the queue, keeping its output."""
+        computed = req.all_ids[: req.num_computed]
+        self.tree.cache_finished(computed, req.kv_slots, req.last_node)
+        self._release_row(req)
+        (self.running if req.status == ReqStatus.DECODE else self.prefilling).remove(req)
+        req.kv_slots = []
+        req.last_node = None
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.counters.retractions += 1
+        self.waiting.insert(0, req)
+
+    def _release_row(self, req: Req) -> None:
+        self.free_rows.append(req.req_pool_idx)
+        req.req_pool_idx = -1
+
+    # ---- checks and stats --------------------------------------------------------------------
+    def active(self) -> Iterable[Req]:
+        return itertools.chain(self.prefilling, self.running)
+
+    def in_use_slots(self) -> int:
+        """Slots owned by requests, not by the tree."""
+        tree_owned = 0
+        for req in self.active():
+            node = req.last_node
+            while node is not None and node is not self.tree.root:
+                tree_owned += len(node.key)
+                node = node.parent
+        return sum(len(r.kv_slots) for r in self.active()) - tree_owned
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total (raises AssertionError naming the numbers)."""
+        self.allocator.check_integrity()
+        self.tree.check_integrity(self.in_use_slots())
+
+    def kv_usage(self) -> float:
+        """Fraction of slots held by requests or locked prefixes (evictable cache counts free)."""
+        free = self.allocator.available_size() + self.tree.evictable_size()
+        return 1.0 - free / self.allocator.size

@@ -1,0 +1,223 @@
+"""Continuous batching, prefix sharing, retraction and abort, checked against solo runs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.sampling_params import SamplingParamsError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _mixed_prompts(n: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts with shared prefixes of several lengths, and mixed output lengths."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(100, 20000) for _ in range(k)] for k in (5, 40, 90)]
+    prompts, params = [], []
+    for i in range(n):
+        stem = stems[i % len(stems)] if i % 4 else []
+        prompts.append(stem + [rng.randrange(100, 20000) for _ in range(rng.randrange(1, 30))])
+        params.append(SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0.0))
+    return prompts, params
+
+
+def _check_idle(llm: LLM) -> None:
+    sched = llm.core.scheduler
+    sched.check_integrity()
+    assert sched.in_use_slots() == 0
+    assert sched.allocator.available_size() + sched.tree.total_size() == sched.allocator.size
+    assert not llm.core.states
+
+
+@pytest.mark.parametrize("which,n", [("mla", 32), ("llama", 10)])
+def test_batched_greedy_equals_solo(which: str, n: int, tiny_mla, default_model: str) -> None:
+    model = (
+        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True) if which == "mla" else default_model
+    )
+    prompts, params = _mixed_prompts(n)
+    llm = LLM(
+        model,
+        max_total_tokens=4096,
+        max_running_requests=12,  # fewer than the requests: some wait, join between steps
+        chunked_prefill_size=48,  # long prompts are prefilled in chunks
+        debug_checks=True,
+    )
+    batched = llm.generate(prompts, params)
+    solo_llm = LLM(model, max_total_tokens=4096, disable_radix_cache=True)
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
+        solo = solo_llm.generate([prompt], p)[0]
+        assert out.token_ids == solo.token_ids
+        assert len(out.token_ids) == p.max_tokens or out.finish_reason == "stop"
+    _check_idle(llm)
+    stats = llm.core.stats()
+    assert stats.prefix_cache_hit_tokens_total > 0
+    assert stats.finished_total["length"] + stats.finished_total["stop"] == n
+
+
+def test_shared_prefix_computes_only_new_tokens(default_model: str) -> None:
+    llm = LLM(default_model, max_total_tokens=4096, debug_checks=True)
+    prefix = [random.Random(1).randrange(100, 20000) for _ in range(200)]
+    first = llm.generate([prefix + [11, 12, 13]], GREEDY)[0]
+    assert first.cached_tokens == 0
+    counters = llm.core.scheduler.counters
+    computed_before = counters.computed_prefill_tokens
+    second = llm.generate([prefix + [21, 22, 23, 24]], GREEDY)[0]
+    computed = counters.computed_prefill_tokens - computed_before
+    assert second.cached_tokens == 200
+    assert computed == 4  # only the new tokens went through the model
+    assert llm.core.stats().prefix_cache_hit_tokens_total == 200
+    solo = LLM(default_model, max_total_tokens=4096, disable_radix_cache=True)
+    assert second.token_ids == solo.generate([prefix + [21, 22, 23, 24]], GREEDY)[0].token_ids
+    _check_idle(llm)
+
+
+def test_small_pool_retracts_and_still_matches(tiny_mla) -> None:
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    prompts = [[1000 + 37 * i + j for j in range(12)] for i in range(8)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    # 8 requests x 42 tokens need 336 slots; the pool has 128.
+    llm = LLM(model, max_total_tokens=128, max_running_requests=8, debug_checks=True)
+    outs = llm.generate(prompts, params)
+    assert llm.core.scheduler.counters.retractions > 0
+    solo = LLM(model, max_total_tokens=256, disable_radix_cache=True)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.token_ids) == 30
+        assert out.token_ids == solo.generate([prompt], params)[0].token_ids
+    _check_idle(llm)
+
+
+def test_abort_frees_slots_at_once(tiny_mla) -> None:
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    llm = LLM(model, max_total_tokens=512, debug_checks=True)
+    core = llm.core
+    finished: dict[str, str] = {}
+    texts: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+
+    def cb(delta) -> None:
+        texts[delta.request_id] += delta.token_ids
+        if delta.finished:
+            finished[delta.request_id] = delta.finish_reason
+
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, rid in enumerate(texts):
+        core.add_request(rid, [500 + i * 50 + j for j in range(20)], long, cb)
+    while len(texts["b"]) < 5:
+        core.step()
+    req_b = core.states["b"].req
+    own_slots = len(req_b.kv_slots) - sum(1 for _ in _path(req_b.last_node, core))
+    in_use = core.scheduler.in_use_slots()
+    free = core.scheduler.allocator.available_size() + core.scheduler.tree.evictable_size()
+    core.abort("b")
+    assert finished["b"] == "abort"
+    assert core.scheduler.in_use_slots() == in_use - own_slots
+    # Its computed tokens went to the prefix cache, unlocked: all of them can be reclaimed now.
+    after = core.scheduler.allocator.available_size() + core.scheduler.tree.evictable_size()
+    assert after == free + len(req_b.all_ids[: 20 + 5 - 1]) or after > free
+    while core.has_work():
+        core.step()
+    assert finished == {"a": "length", "b": "abort", "c": "length"}
+    assert len(texts["a"]) == len(texts["c"]) == 40
+    _check_idle(llm)
+
+
+def _path(node, core):
+    tokens = []
+    while node is not None and node is not core.scheduler.tree.root:
+        tokens.extend(node.key)
+        node = node.parent
+    return tokens
+
+
+def test_async_engine_streams_and_aborts(tiny_mla) -> None:
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    engine = AsyncEngine(EngineConfig(model=model, max_total_tokens=512, debug_checks=True))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = [300 + j for j in range(15)]
+
+    async def run() -> tuple[list[int], list, list[int]]:
+        streamed: list[int] = []
+        async for delta in engine.generate(prompt, params, "s1"):
+            streamed += delta.token_ids
+        # A consumer that stops early aborts its request.
+        partial: list[int] = []
+        gen = engine.generate(prompt, SamplingParams(max_tokens=500, ignore_eos=True), "s2")
+        async for delta in gen:
+            partial += delta.token_ids
+            if len(partial) >= 3:
+                break
+        await gen.aclose()
+        return streamed, [], partial
+
+    try:
+        streamed, _, partial = asyncio.run(run())
+        offline = LLM(model, max_total_tokens=512).generate([prompt], params)[0]
+        assert streamed == offline.token_ids
+        assert len(partial) >= 3
+        for _ in range(100):  # the abort is processed by the loop thread
+            if engine.stats().num_running == 0:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert engine.stats().num_running == 0
+        assert engine.stats().finished_total["abort"] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_bad_requests_fail_before_queueing(tiny_mla) -> None:
+    llm = LLM(tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), max_total_tokens=64)
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(SamplingParamsError, match="max_tokenz"):
+        SamplingParams.from_dict({"max_tokenz": 3})
+    with pytest.raises(ValueError, match="context limit is 64"):
+        llm.generate([[5] * 10, [7] * 100], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[10**9]], GREEDY)
+    assert not llm.core.has_work()  # nothing of the failed calls was queued
+    assert llm.generate([[5] * 10], GREEDY)[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_mla) -> None:
+    llm = LLM(tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), max_total_tokens=1024)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7, 6]], seeded)[0].token_ids
+    batched = llm.generate([[1, 2, 3], [9, 8, 7, 6], [4, 4]], [other, seeded, other])
+    assert batched[1].token_ids == alone
+    assert llm.generate([[9, 8, 7, 6]], seeded)[0].token_ids == alone
+
+
+def test_stop_strings_and_logprobs(default_model: str) -> None:
+    llm = LLM(default_model, max_total_tokens=2048)
+    prompt = "Count: one, two, three, four,"
+    base = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    stop_word = base.text.strip().split(" ")[1]  # a word that appears mid-output
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_word], logprobs=True)
+    )[0]
+    assert out.finish_reason == "stop"
+    assert stop_word not in out.text
+    assert base.text.startswith(out.text)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    assert all(lp <= 0.0 for lp in out.logprobs)
+    assert out.cumulative_logprob == pytest.approx(sum(out.logprobs), abs=1e-4)
+
+
+def test_min_tokens_holds_back_eos(default_model: str) -> None:
+    llm = LLM(default_model, max_total_tokens=2048)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    short = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 12
+    longer = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12))
+    assert len(longer[0].token_ids) >= 12
+    eos = set(llm.core.eos_token_ids)
+    assert not eos & set(longer[0].token_ids[:11])

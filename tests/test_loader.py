@@ -1,0 +1,85 @@
+"""Checkpoints that do not fit the model fail to load with an error that names the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import EngineConfig
+from engine.config import ConfigError, ModelConfig
+from engine.executor.loader import CheckpointError
+from engine.executor.model_runner import ModelRunner
+
+
+@pytest.fixture
+def checkpoint(tiny_mla, tmp_path: Path) -> Path:
+    src = Path(tiny_mla("v2", moe=True, q_lora_rank=None))
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(path: Path, fn) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _load(path: Path) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(path), max_total_tokens=32, max_running_requests=1))
+
+
+def test_missing_tensor_is_named(checkpoint: Path) -> None:
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _edit(checkpoint, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor.*{name}"):
+        _load(checkpoint)
+
+
+def test_wrong_shape_is_named(checkpoint: Path) -> None:
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    _edit(checkpoint, lambda t: t.__setitem__(name, t[name][:, :-1].contiguous()))
+    with pytest.raises(CheckpointError, match=f"{name}.*shape"):
+        _load(checkpoint)
+
+
+def test_unexpected_tensor_is_named(checkpoint: Path) -> None:
+    _edit(checkpoint, lambda t: t.__setitem__("model.extra.weight", t["model.norm.weight"].clone()))
+    with pytest.raises(CheckpointError, match="unexpected tensor.*model.extra.weight"):
+        _load(checkpoint)
+
+
+def test_unsupported_architecture_is_named(checkpoint: Path) -> None:
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="unsupported architecture 'MambaForCausalLM'"):
+        ModelConfig.from_pretrained(checkpoint)
+
+
+def test_sharded_checkpoint_loads(checkpoint: Path) -> None:
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half]}
+    shards["model-00002-of-00002.safetensors"] = names[half:]
+    (checkpoint / "model.safetensors").unlink()
+    weight_map = {}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(checkpoint / shard))
+        weight_map.update({n: shard for n in shard_names})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    runner = _load(checkpoint)
+    w = runner.model.get_parameter("model.norm.weight")
+    assert w.detach().equal(tensors["model.norm.weight"])
+
+
+def test_unknown_engine_config_key_is_named() -> None:
+    with pytest.raises(ConfigError, match="unknown engine config key.*max_batch"):
+        EngineConfig.from_dict({"max_batch": 3})

@@ -1,0 +1,126 @@
+"""The engine's models against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
+from engine.executor.model_runner import ModelRunner
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a Python function that reverses a string.",
+]
+RAW_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a small village by the mountains,",
+    "def fibonacci(n):\n",
+    "Paris is a city that",
+    "1, 2, 3, 5, 8, 13,",
+]
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def hf_default(default_model: str):
+    return AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+
+
+def test_default_model_greedy_matches_transformers(default_model: str, hf_default) -> None:
+    llm = LLM(default_model, max_total_tokens=8192, debug_checks=True)
+    tok = llm.tokenizer
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in CHAT_QUESTIONS
+    ] + RAW_PROMPTS
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, params)
+    assert len(prompts) >= 10
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = hf_default.generate(
+                ids, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tok.eos_token_id
+            )[0, ids.shape[1] :].tolist()
+        assert out.prompt_token_ids == ids[0].tolist()
+        assert out.token_ids == ref, f"prompt {prompt!r}: {out.text!r}"
+        assert out.text == tok.decode(ref, skip_special_tokens=True)
+        assert out.finish_reason == ("stop" if len(ref) < MAX_NEW_TOKENS else "length")
+    assert outs[0].text == "The capital of France is Paris."
+
+
+MLA_CASES = {
+    "v2-lite-like": dict(arch="v2", q_lora_rank=None, yarn=True),
+    "v2-q-lora": dict(arch="v2", q_lora_rank=24),
+    "v3": dict(arch="v3", q_lora_rank=24),
+    "v3-no-q-lora": dict(arch="v3", q_lora_rank=None, yarn=True),
+}
+PREFILL_ATOL = 1e-4
+DECODE_STEPS = 20
+
+
+def _run(runner: ModelRunner, mode: ForwardMode, ids: list[int], prefix: int, all_logits: bool):
+    slots = list(range(prefix + 1, prefix + len(ids) + 1))  # the request owns slots 1..n
+    entry = BatchEntry(0, ids, prefix, slots, prefix_slots=list(range(1, prefix + 1)))
+    return runner.forward(ScheduledBatch(mode, [entry]), all_logits=all_logits)
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_mla_logits_match_transformers(tiny_mla, case: str) -> None:
+    opts = dict(MLA_CASES[case])
+    path = tiny_mla(opts.pop("arch"), moe=True, **opts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=256, max_running_requests=2))
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(23)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    # Prefill: the decompressing path.
+    logits = _run(runner, ForwardMode.EXTEND, prompt, 0, all_logits=True)
+    assert (logits - ref).abs().max().item() < PREFILL_ATOL
+    assert ref.abs().max().item() > 1.0, "random weights too small to test anything"
+    # Decode: the absorbed path, one token at a time over the latent cache.
+    seq = list(prompt)
+    token = int(logits[-1].argmax())
+    for _ in range(DECODE_STEPS):
+        seq.append(token)
+        step = _run(runner, ForwardMode.DECODE, [token], len(seq) - 1, all_logits=False)[0]
+        with torch.no_grad():
+            ref_step = hf(torch.tensor([seq])).logits[0, -1]
+        assert (step - ref_step).abs().max().item() < PREFILL_ATOL
+        token = int(step.argmax())
+
+
+@pytest.mark.parametrize("case", ["v2-lite-like", "v3"])
+def test_mla_absorbed_and_decompressed_paths_agree(tiny_mla, case: str) -> None:
+    opts = dict(MLA_CASES[case])
+    path = tiny_mla(opts.pop("arch"), moe=True, **opts)
+    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=256, max_running_requests=2))
+    prompt = list(range(100, 140))
+    # A cached prefix of 25 tokens, then 15 new tokens, through each path.
+    _run(runner, ForwardMode.EXTEND, prompt[:25], 0, all_logits=False)
+    decompressed = _run(runner, ForwardMode.EXTEND, prompt[25:], 25, all_logits=True)
+    runner.model.set_absorb_extend(True)  # type: ignore[attr-defined]
+    absorbed = _run(runner, ForwardMode.EXTEND, prompt[25:], 25, all_logits=True)
+    assert (absorbed - decompressed).abs().max().item() < PREFILL_ATOL
+    # The stored latent rows are the same whichever path wrote them.
+    pool = runner.kv_pool
+    assert pool.get_kv(0, torch.arange(1, 41))[0].shape == (40, 1, 32 + 8)
+
+
+def test_mla_pool_stores_latent_not_full_kv(tiny_mla) -> None:
+    path = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=64, max_running_requests=2))
+    mc = runner.model_config
+    per_token = runner.kv_pool.bytes_per_token()
+    assert per_token == mc.num_hidden_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * 4
+    full_kv = mc.num_hidden_layers * mc.num_attention_heads * (mc.head_dim + mc.v_head_dim) * 4
+    assert per_token < full_kv

@@ -1,0 +1,155 @@
+"""SamplingParams: validation messages, normalization, wire-format parsing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def test_defaults() -> None:
+    p = SamplingParams()
+    assert p.max_tokens == 16 and p.min_tokens == 0
+    assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == -1 and p.min_p == 0.0
+    assert p.seed is None and p.stop == [] and p.stop_token_ids == []
+    assert not p.ignore_eos and not p.logprobs and p.skip_special_tokens
+    assert p.repetition_penalty == 1.0
+    assert not p.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "value"),
+    [
+        ({"max_tokens": 0}, "max_tokens", "0"),
+        ({"max_tokens": -3}, "max_tokens", "-3"),
+        ({"min_tokens": -1}, "min_tokens", "-1"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "20"),
+        ({"temperature": -0.5}, "temperature", "-0.5"),
+        ({"temperature": float("nan")}, "temperature", "nan"),
+        ({"top_p": 0.0}, "top_p", "0.0"),
+        ({"top_p": 1.5}, "top_p", "1.5"),
+        ({"top_k": -2}, "top_k", "-2"),
+        ({"min_p": -0.1}, "min_p", "-0.1"),
+        ({"min_p": 1.1}, "min_p", "1.1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
+        ({"stop": ["ok", ""]}, "stop", "''"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids", "-1"),
+        ({"max_tokens": "16"}, "max_tokens", "'16'"),
+        ({"max_tokens": True}, "max_tokens", "True"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "'yes'"),
+        ({"seed": 1.5}, "seed", "1.5"),
+    ],
+)
+def test_validation_names_field_and_value(kwargs: dict[str, Any], field: str, value: str) -> None:
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**kwargs)
+    msg = str(e.value)
+    assert msg.startswith(f"{field}="), msg
+    assert value in msg, msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_normalization() -> None:
+    p = SamplingParams(top_k=0, stop="###", stop_token_ids=None, temperature=1)  # type: ignore[arg-type]
+    assert p.top_k == -1
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == []
+    assert isinstance(p.temperature, float)
+    assert SamplingParams(stop=None).stop == []  # type: ignore[arg-type]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]  # type: ignore[arg-type]
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=0.7, top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.7, top_k=2).is_greedy
+
+
+def test_min_tokens_equal_max_tokens_ok() -> None:
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+
+
+def test_from_dict_coerces_strings() -> None:
+    p = SamplingParams.from_dict(
+        {
+            "max_tokens": "16",
+            "min_tokens": "2",
+            "temperature": "0.7",
+            "top_p": "0.9",
+            "top_k": "40",
+            "min_p": "0.05",
+            "seed": "1234",
+            "ignore_eos": "true",
+            "logprobs": "False",
+            "skip_special_tokens": False,
+            "repetition_penalty": 1,
+            "stop": "\n\n",
+            "stop_token_ids": ["2", 7],
+        }
+    )
+    assert p.max_tokens == 16 and p.min_tokens == 2
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+    assert p.top_k == 40 and p.min_p == pytest.approx(0.05) and p.seed == 1234
+    assert p.ignore_eos is True and p.logprobs is False and p.skip_special_tokens is False
+    assert p.repetition_penalty == 1.0
+    assert p.stop == ["\n\n"] and p.stop_token_ids == [2, 7]
+
+
+def test_from_dict_integral_float_accepted() -> None:
+    assert SamplingParams.from_dict({"max_tokens": 8.0}).max_tokens == 8
+    assert SamplingParams.from_dict({"max_tokens": "8.0"}).max_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("d", "needle"),
+    [
+        ({"max_tokens": "sixteen"}, "max_tokens='sixteen'"),
+        ({"max_tokens": 2.5}, "max_tokens=2.5"),
+        ({"temperature": "hot"}, "temperature='hot'"),
+        ({"ignore_eos": 1}, "ignore_eos=1"),
+        ({"top_p": "0"}, "top_p=0.0"),
+        ({"n": 2}, "n=2"),
+    ],
+)
+def test_from_dict_bad_values(d: dict[str, Any], needle: str) -> None:
+    with pytest.raises(SamplingParamsError, match=needle.replace(".", r"\.")):
+        SamplingParams.from_dict(d)
+
+
+def test_from_dict_unknown_key_named() -> None:
+    with pytest.raises(SamplingParamsError, match="'max_new_tokens'"):
+        SamplingParams.from_dict({"max_new_tokens": 3})
+    with pytest.raises(SamplingParamsError, match="'best_of'"):
+        SamplingParams.from_dict({"best_of": 1})
+
+
+def test_from_dict_n_one_accepted() -> None:
+    assert SamplingParams.from_dict({"n": "1", "max_tokens": 4}).max_tokens == 4
+
+
+def test_from_json() -> None:
+    p = SamplingParams.from_json('{"max_tokens": "16", "temperature": 0, "stop": ["</s>"]}')
+    assert p.max_tokens == 16 and p.is_greedy and p.stop == ["</s>"]
+    assert SamplingParams.from_json("") == SamplingParams()
+    assert SamplingParams.from_json(b'{"top_k": 5}').top_k == 5
+
+
+@pytest.mark.parametrize(
+    ("s", "needle"),
+    [
+        ('{"max_tokens": 16', "not valid JSON"),
+        ("[1, 2]", "must be a JSON object, got list"),
+        ('"hello"', "must be a JSON object, got str"),
+    ],
+)
+def test_from_json_errors(s: str, needle: str) -> None:
+    with pytest.raises(SamplingParamsError, match=needle):
+        SamplingParams.from_json(s)
+
+
+def test_round_trip() -> None:
+    p = SamplingParams(max_tokens=5, temperature=0.3, stop=["x"], seed=7, logprobs=True)
+    assert SamplingParams.from_dict(p.to_dict()) == p
