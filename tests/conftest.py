@@ -39,7 +39,20 @@ def default_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_mla(tmp_path_factory: pytest.TempPathFactory, default_model: str):
+def default_tokenizer() -> str:
+    """A directory with the default model's tokenizer files (the weights are not needed: the GPU
+    machine gets only the tokenizer files carried over)."""
+    from pathlib import Path
+
+    if not (Path(DEFAULT_MODEL) / "tokenizer.json").is_file():
+        from engine.tools.prepare_default_model import main as prepare
+
+        prepare(["--out", DEFAULT_MODEL])
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str):
     """Factory of small random DeepSeek checkpoints (with the default model's tokenizer), cached
     per set of options."""
     from pathlib import Path
@@ -52,7 +65,7 @@ def tiny_mla(tmp_path_factory: pytest.TempPathFactory, default_model: str):
         key = (arch, tuple(sorted(kwargs.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"ds{arch}")
-            make_checkpoint(out, arch=arch, tokenizer_dir=Path(default_model), **kwargs)  # type: ignore[arg-type]
+            make_checkpoint(out, arch=arch, tokenizer_dir=Path(default_tokenizer), **kwargs)  # type: ignore[arg-type]
             made[key] = str(out)
         return made[key]
 

@@ -34,20 +34,22 @@ def _check_idle(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("which,n", [("mla", 32), ("llama", 10)])
-def test_batched_greedy_equals_solo(which: str, n: int, tiny_mla, default_model: str) -> None:
-    model = (
-        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True) if which == "mla" else default_model
-    )
+def test_batched_greedy_equals_solo(which: str, n: int, request: pytest.FixtureRequest) -> None:
+    if which == "mla":
+        model = request.getfixturevalue("tiny_mla")("v2", moe=True, q_lora_rank=None, yarn=True)
+    else:
+        model = request.getfixturevalue("default_model")
     prompts, params = _mixed_prompts(n)
     llm = LLM(
         model,
+        dtype="float32",
         max_total_tokens=4096,
         max_running_requests=12,  # fewer than the requests: some wait, join between steps
         chunked_prefill_size=48,  # long prompts are prefilled in chunks
         debug_checks=True,
     )
     batched = llm.generate(prompts, params)
-    solo_llm = LLM(model, max_total_tokens=4096, disable_radix_cache=True)
+    solo_llm = LLM(model, dtype="float32", max_total_tokens=4096, disable_radix_cache=True)
     for prompt, p, out in zip(prompts, params, batched, strict=True):
         solo = solo_llm.generate([prompt], p)[0]
         assert out.token_ids == solo.token_ids
@@ -59,7 +61,7 @@ def test_batched_greedy_equals_solo(which: str, n: int, tiny_mla, default_model:
 
 
 def test_shared_prefix_computes_only_new_tokens(default_model: str) -> None:
-    llm = LLM(default_model, max_total_tokens=4096, debug_checks=True)
+    llm = LLM(default_model, dtype="float32", max_total_tokens=4096, debug_checks=True)
     prefix = [random.Random(1).randrange(100, 20000) for _ in range(200)]
     first = llm.generate([prefix + [11, 12, 13]], GREEDY)[0]
     assert first.cached_tokens == 0
@@ -70,7 +72,7 @@ def test_shared_prefix_computes_only_new_tokens(default_model: str) -> None:
     assert second.cached_tokens == 200
     assert computed == 4  # only the new tokens went through the model
     assert llm.core.stats().prefix_cache_hit_tokens_total == 200
-    solo = LLM(default_model, max_total_tokens=4096, disable_radix_cache=True)
+    solo = LLM(default_model, dtype="float32", max_total_tokens=4096, disable_radix_cache=True)
     assert second.token_ids == solo.generate([prefix + [21, 22, 23, 24]], GREEDY)[0].token_ids
     _check_idle(llm)
 
@@ -80,10 +82,17 @@ def test_small_pool_retracts_and_still_matches(tiny_mla) -> None:
     prompts = [[1000 + 37 * i + j for j in range(12)] for i in range(8)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     # 8 requests x 42 tokens need 336 slots; the pool has 128.
-    llm = LLM(model, max_total_tokens=128, max_running_requests=8, debug_checks=True)
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_total_tokens=128,
+        max_running_requests=8,
+        schedule_policy="fcfs",
+        debug_checks=True,
+    )
     outs = llm.generate(prompts, params)
     assert llm.core.scheduler.counters.retractions > 0
-    solo = LLM(model, max_total_tokens=256, disable_radix_cache=True)
+    solo = LLM(model, dtype="float32", max_total_tokens=256, disable_radix_cache=True)
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.token_ids) == 30
         assert out.token_ids == solo.generate([prompt], params)[0].token_ids
@@ -92,7 +101,7 @@ def test_small_pool_retracts_and_still_matches(tiny_mla) -> None:
 
 def test_abort_frees_slots_at_once(tiny_mla) -> None:
     model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
-    llm = LLM(model, max_total_tokens=512, debug_checks=True)
+    llm = LLM(model, dtype="float32", max_total_tokens=512, debug_checks=True)
     core = llm.core
     finished: dict[str, str] = {}
     texts: dict[str, list[int]] = {"a": [], "b": [], "c": []}
@@ -134,7 +143,9 @@ def _path(node, core):
 
 def test_async_engine_streams_and_aborts(tiny_mla) -> None:
     model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
-    engine = AsyncEngine(EngineConfig(model=model, max_total_tokens=512, debug_checks=True))
+    engine = AsyncEngine(
+        EngineConfig(model=model, dtype="float32", max_total_tokens=512, debug_checks=True)
+    )
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompt = [300 + j for j in range(15)]
 
@@ -154,7 +165,7 @@ def test_async_engine_streams_and_aborts(tiny_mla) -> None:
 
     try:
         streamed, _, partial = asyncio.run(run())
-        offline = LLM(model, max_total_tokens=512).generate([prompt], params)[0]
+        offline = LLM(model, dtype="float32", max_total_tokens=512).generate([prompt], params)[0]
         assert streamed == offline.token_ids
         assert len(partial) >= 3
         for _ in range(100):  # the abort is processed by the loop thread
@@ -168,7 +179,9 @@ def test_async_engine_streams_and_aborts(tiny_mla) -> None:
 
 
 def test_bad_requests_fail_before_queueing(tiny_mla) -> None:
-    llm = LLM(tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), max_total_tokens=64)
+    llm = LLM(
+        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), dtype="float32", max_total_tokens=64
+    )
     with pytest.raises(SamplingParamsError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
     with pytest.raises(SamplingParamsError, match="top_p"):
@@ -186,7 +199,11 @@ def test_bad_requests_fail_before_queueing(tiny_mla) -> None:
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_mla) -> None:
-    llm = LLM(tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), max_total_tokens=1024)
+    llm = LLM(
+        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True),
+        dtype="float32",
+        max_total_tokens=1024,
+    )
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     alone = llm.generate([[9, 8, 7, 6]], seeded)[0].token_ids
@@ -196,7 +213,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_mla) -> None:
 
 
 def test_stop_strings_and_logprobs(default_model: str) -> None:
-    llm = LLM(default_model, max_total_tokens=2048)
+    llm = LLM(default_model, dtype="float32", max_total_tokens=2048)
     prompt = "Count: one, two, three, four,"
     base = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
     stop_word = base.text.strip().split(" ")[1]  # a word that appears mid-output
@@ -212,7 +229,7 @@ def test_stop_strings_and_logprobs(default_model: str) -> None:
 
 
 def test_min_tokens_holds_back_eos(default_model: str) -> None:
-    llm = LLM(default_model, max_total_tokens=2048)
+    llm = LLM(default_model, dtype="float32", max_total_tokens=2048)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     short = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))[0]

@@ -34,7 +34,7 @@ def hf_default(default_model: str):
 
 
 def test_default_model_greedy_matches_transformers(default_model: str, hf_default) -> None:
-    llm = LLM(default_model, max_total_tokens=8192, debug_checks=True)
+    llm = LLM(default_model, dtype="float32", max_total_tokens=8192, debug_checks=True)
     tok = llm.tokenizer
     prompts = [
         tok.apply_chat_template(
@@ -71,7 +71,7 @@ DECODE_STEPS = 20
 def _run(runner: ModelRunner, mode: ForwardMode, ids: list[int], prefix: int, all_logits: bool):
     slots = list(range(prefix + 1, prefix + len(ids) + 1))  # the request owns slots 1..n
     entry = BatchEntry(0, ids, prefix, slots, prefix_slots=list(range(1, prefix + 1)))
-    return runner.forward(ScheduledBatch(mode, [entry]), all_logits=all_logits)
+    return runner.forward(ScheduledBatch(mode, [entry]), all_logits=all_logits).cpu()
 
 
 @pytest.mark.parametrize("case", list(MLA_CASES))
@@ -79,7 +79,7 @@ def test_mla_logits_match_transformers(tiny_mla, case: str) -> None:
     opts = dict(MLA_CASES[case])
     path = tiny_mla(opts.pop("arch"), moe=True, **opts)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=256, max_running_requests=2))
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", max_total_tokens=256))
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(23)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
@@ -103,7 +103,7 @@ def test_mla_logits_match_transformers(tiny_mla, case: str) -> None:
 def test_mla_absorbed_and_decompressed_paths_agree(tiny_mla, case: str) -> None:
     opts = dict(MLA_CASES[case])
     path = tiny_mla(opts.pop("arch"), moe=True, **opts)
-    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=256, max_running_requests=2))
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", max_total_tokens=256))
     prompt = list(range(100, 140))
     # A cached prefix of 25 tokens, then 15 new tokens, through each path.
     _run(runner, ForwardMode.EXTEND, prompt[:25], 0, all_logits=False)
@@ -113,12 +113,12 @@ def test_mla_absorbed_and_decompressed_paths_agree(tiny_mla, case: str) -> None:
     assert (absorbed - decompressed).abs().max().item() < PREFILL_ATOL
     # The stored latent rows are the same whichever path wrote them.
     pool = runner.kv_pool
-    assert pool.get_kv(0, torch.arange(1, 41))[0].shape == (40, 1, 32 + 8)
+    assert pool.get_kv(0, torch.arange(1, 41, device=runner.device))[0].shape == (40, 1, 32 + 8)
 
 
 def test_mla_pool_stores_latent_not_full_kv(tiny_mla) -> None:
     path = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
-    runner = ModelRunner(EngineConfig(model=path, max_total_tokens=64, max_running_requests=2))
+    runner = ModelRunner(EngineConfig(model=path, dtype="float32", max_total_tokens=64))
     mc = runner.model_config
     per_token = runner.kv_pool.bytes_per_token()
     assert per_token == mc.num_hidden_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * 4

@@ -55,6 +55,7 @@ class ModelRunner:
         mc = self.model_config
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(mc)
+        self.model.to(self.device)  # buffers made from CPU tensors (RoPE frequencies)
         load_weights(self.model, mc.path, mc.num_hidden_layers)
         self.model.eval()
 
