@@ -70,5 +70,6 @@ class LLM:
             )
             self.core.add_request(rid, ids, p, collect)
         while self.core.has_work():
-            self.core.step()
+            if not self.core.step():
+                raise RuntimeError("requests are queued but none can be scheduled")
         return [results[rid] for rid in order]

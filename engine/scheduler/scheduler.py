@@ -185,12 +185,12 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduleOutput:
         slots = self._alloc(len(self.running), reserve=0)
         while slots is None:
-            if len(self.running) == 1 and not self.prefilling:
-                raise RuntimeError(
-                    "the KV pool cannot hold a single request; raise max_total_tokens"
-                )
-            self.retract(max(self.running, key=lambda r: r.arrival))
-            slots = self._alloc(len(self.running), reserve=0) if self.running else []
+            # Retract the newest admitted request, but keep at least one decoding.
+            victims = self.prefilling + (self.running if len(self.running) > 1 else [])
+            if not victims:
+                raise RuntimeError("the KV pool cannot hold one request; raise max_total_tokens")
+            self.retract(max(victims, key=lambda r: r.arrival))
+            slots = self._alloc(len(self.running), reserve=0)
         entries = []
         for req, slot in zip(self.running, slots, strict=True):
             rewrite = req.rid in self._row_dirty
@@ -260,28 +260,27 @@ class Scheduler:
         if req.status == ReqStatus.WAITING:
             self.waiting.remove(req)
         else:
-            computed = req.all_ids[: req.num_computed]
-            self.tree.cache_finished(computed, req.kv_slots, req.last_node)
-            self._release_row(req)
-            (self.running if req.status == ReqStatus.DECODE else self.prefilling).remove(req)
-        req.kv_slots = []
-        req.last_node = None
+            self._release(req)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
-        self._row_dirty.discard(req.rid)
 
     def retract(self, req: Req) -> None:
         """Preempt an admitted request back to the front of the queue, keeping its output."""
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.counters.retractions += 1
+        self.waiting.insert(0, req)
+
+    def _release(self, req: Req) -> None:
+        """Hand an admitted request's computed KV to the tree (unlocked) and free its row."""
         computed = req.all_ids[: req.num_computed]
         self.tree.cache_finished(computed, req.kv_slots, req.last_node)
         self._release_row(req)
         (self.running if req.status == ReqStatus.DECODE else self.prefilling).remove(req)
         req.kv_slots = []
         req.last_node = None
-        req.status = ReqStatus.WAITING
-        req.num_retractions += 1
-        self.counters.retractions += 1
-        self.waiting.insert(0, req)
+        self._row_dirty.discard(req.rid)
 
     def _release_row(self, req: Req) -> None:
         self.free_rows.append(req.req_pool_idx)

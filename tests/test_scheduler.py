@@ -1,0 +1,128 @@
+"""The scheduler on its own: no model, no tensors; tokens come from a deterministic fake."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.executor.forward_batch import ForwardMode
+from engine.sampling_params import SamplingParams
+from engine.scheduler.request import Req, ReqStatus
+from engine.scheduler.scheduler import Scheduler
+
+
+def _fake_token(req: Req) -> int:
+    """A token that depends only on the request's tokens so far, like greedy decoding."""
+    return (sum(req.all_ids) * 31 + len(req.all_ids)) % 1000
+
+
+def _run(
+    sched: Scheduler, reqs: list[Req], rng: random.Random | None = None, abort_p: float = 0.0
+) -> dict[str, list[int]]:
+    for r in reqs:
+        sched.add_request(r)
+    outputs: dict[str, list[int]] = {}
+    steps = 0
+    while sched.has_work():
+        out = sched.schedule()
+        assert out is not None, "work is queued but nothing can be scheduled"
+        for e in out.batch.entries:
+            assert len(e.out_cache_loc) == len(e.input_ids)
+            assert 0 not in e.out_cache_loc  # the padding slot is never handed out
+        if out.batch.mode == ForwardMode.DECODE:
+            assert all(len(e.input_ids) == 1 for e in out.batch.entries)
+        next_ids = {row: _fake_token(out.reqs[row]) for row in out.sample_rows}
+        for req in sched.process_batch(out, next_ids):
+            # The engine's length rule: max_tokens, or the context limit.
+            limit = len(req.output_ids) >= req.params.max_tokens
+            if limit or len(req.all_ids) >= sched.max_context_len:
+                sched.finish(req, "length")
+                outputs[req.rid] = list(req.output_ids)
+        if rng is not None and rng.random() < abort_p:
+            live = [r for r in reqs if not r.finished]
+            if live:
+                victim = rng.choice(live)
+                sched.finish(victim, "abort")
+                outputs[victim.rid] = []
+        sched.check_integrity()
+        steps += 1
+        assert steps < 10_000
+    assert sched.in_use_slots() == 0
+    assert sched.allocator.available_size() + sched.tree.total_size() == sched.allocator.size
+    assert len(sched.free_rows) == sched.max_running
+    return outputs
+
+
+def _reqs(rng: random.Random, n: int, shared: list[int]) -> list[Req]:
+    out = []
+    for i in range(n):
+        prompt = shared[: rng.randrange(0, len(shared))] + [
+            rng.randrange(1, 1000) for _ in range(rng.randrange(1, 20))
+        ]
+        params = SamplingParams(max_tokens=rng.randrange(1, 25), temperature=0.0)
+        out.append(Req(rid=f"r{i}", prompt_ids=prompt, params=params, arrival=0))
+    return out
+
+
+def _expected(req: Req, max_context_len: int) -> list[int]:
+    solo = Req(rid="solo", prompt_ids=list(req.prompt_ids), params=req.params, arrival=0)
+    while len(solo.output_ids) < req.params.max_tokens and len(solo.all_ids) < max_context_len:
+        solo.output_ids.append(_fake_token(solo))
+    return solo.output_ids
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+@pytest.mark.parametrize("pool,chunk", [(512, 2048), (96, 16), (60, 7)])
+def test_random_workloads_keep_the_invariant(policy: str, pool: int, chunk: int) -> None:
+    rng = random.Random(pool * 7 + chunk)
+    shared = [rng.randrange(1, 1000) for _ in range(30)]
+    config = EngineConfig(chunked_prefill_size=chunk, schedule_policy=policy)
+    sched = Scheduler(config, max_total_tokens=pool, max_context_len=pool, max_running=6)
+    reqs = _reqs(rng, 40, shared)
+    outputs = _run(sched, reqs)
+    for r in reqs:
+        assert r.status == ReqStatus.FINISHED
+        assert outputs[r.rid] == _expected(
+            r, pool
+        )  # retraction and chunking never change the result
+    if pool < 100:
+        assert sched.counters.retractions > 0
+    assert sched.counters.cache_hit_tokens > 0
+
+
+def test_aborts_at_random_points_leak_nothing() -> None:
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 1000) for _ in range(30)]
+    config = EngineConfig(chunked_prefill_size=8)
+    sched = Scheduler(config, max_total_tokens=80, max_context_len=80, max_running=5)
+    reqs = _reqs(rng, 30, shared)
+    _run(sched, reqs, rng=rng, abort_p=0.15)
+    assert all(r.finished for r in reqs)
+    assert any(r.finish_reason == "abort" for r in reqs)
+
+
+def test_admission_respects_the_running_cap_and_chunk_budget() -> None:
+    config = EngineConfig(chunked_prefill_size=10)
+    sched = Scheduler(config, max_total_tokens=200, max_context_len=200, max_running=2)
+    for i in range(3):
+        params = SamplingParams(max_tokens=3)
+        sched.add_request(Req(rid=f"r{i}", prompt_ids=list(range(1, 16)), params=params, arrival=0))
+    out = sched.schedule()
+    assert out is not None and out.batch.mode == ForwardMode.EXTEND
+    assert out.batch.num_tokens == 10  # the budget: one request's first chunk
+    assert out.sample_rows == []  # its prompt is not complete yet
+    sched.process_batch(out, {})
+    out = sched.schedule()
+    assert out is not None
+    # The chunked request finishes its prompt (5 tokens) and the second starts (5 of budget).
+    assert [len(e.input_ids) for e in out.batch.entries] == [5, 5]
+    assert sched.num_running == 2 and len(sched.waiting) == 1
+
+
+def test_prompt_at_the_context_limit_is_rejected() -> None:
+    sched = Scheduler(EngineConfig(), max_total_tokens=64, max_context_len=32, max_running=2)
+    with pytest.raises(ValueError, match="context limit is 32"):
+        sched.add_request(Req(rid="x", prompt_ids=[1] * 32, params=SamplingParams(), arrival=0))
+    assert not sched.has_work()
