@@ -127,6 +127,7 @@ def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
             )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ConfigError(

@@ -13,7 +13,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 from engine.executor.loader import load_weights
 from engine.layers.attention.base import AttentionBackend
-from engine.layers.attention.torch_native import TorchNativeBackend
+from engine.layers.attention.registry import make_attention_backend
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
 
@@ -69,7 +69,9 @@ class ModelRunner:
             self.max_running_requests, self.max_context_len, dtype=torch.int32, device=self.device
         )
         self.kv_pool = self._make_kv_pool(self.max_total_tokens)
-        self.attn_backend: AttentionBackend = TorchNativeBackend()
+        self.attn_backend: AttentionBackend = make_attention_backend(
+            config.attention_backend, self.kv_pool, self.device
+        )
 
     # ---- set-up -------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int) -> KVPool:

@@ -29,6 +29,7 @@ class KVPool:
     dtype: torch.dtype  # compute dtype
     store_dtype: torch.dtype
     num_layers: int
+    k_scale: list[float]  # per layer; FP8 value = stored * scale
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         raise NotImplementedError

@@ -1,0 +1,184 @@
+"""Extend (prefill) attention: new tokens attend to their cached prefix plus, causally, to each
+other. Serves MLA's decompressed path (q/k head dim 192, v 128, as many KV heads as query heads)
+and GQA (query heads grouped over KV heads).
+
+Inputs follow SGLang's layout: the new tokens of all requests are concatenated
+(`extend_start_loc` [B] gives each request's first row), their K/V are passed directly, and the
+prefix K/V are read from the pool through `req_to_token` (positions 0 .. prefix_len - 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ext_ptr,  # [T, Hkv, D]
+    v_ext_ptr,  # [T, Hkv, Dv]
+    k_buf_ptr,  # [num_slots, Hkv, D]
+    v_buf_ptr,  # [num_slots, Hkv, Dv]
+    o_ptr,  # [T, Hq, Dv]
+    req_to_token_ptr,
+    req_idx_ptr,
+    seq_lens_ptr,
+    prefix_lens_ptr,
+    start_loc_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ot, stride_oh, stride_rt,
+    group_size, head_dim, v_head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    kvh = h // group_size
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    ext_len = tl.load(seq_lens_ptr + b).to(tl.int32) - prefix_len
+    if mblk * BLOCK_M >= ext_len:
+        return
+    start = tl.load(start_loc_ptr + b).to(tl.int64)
+    row = tl.load(req_idx_ptr + b).to(tl.int64)
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < ext_len
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < head_dim
+    mask_dv = offs_dv < v_head_dim
+    q_ptrs = q_ptr + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # The cached prefix: every new token sees all of it.
+    for n in range(0, prefix_len, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix_len
+        slot = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0)
+        slot = slot.to(tl.int64)
+        k_ptrs = k_buf_ptr + slot[None, :] * stride_kbs + kvh * stride_kbh + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v_ptrs = v_buf_ptr + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_dv[None, :]
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
+        m_i = m_new
+
+    # The new tokens, causally: token i sees new tokens j <= i.
+    end = tl.minimum((mblk + 1) * BLOCK_M, ext_len)
+    for n in range(0, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < ext_len
+        k_ptrs = k_ext_ptr + (start + offs_n[None, :]) * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptrs + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v_ptrs = v_ext_ptr + (start + offs_n[:, None]) * stride_vt + kvh * stride_vh
+        v = tl.load(v_ptrs + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
+        causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = o_ptr + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+def extend_attention(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    """q_extend [T, Hq, D]; k_extend [T, Hkv, D]; v_extend [T, Hkv, Dv] (new tokens, all
+    requests concatenated); k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv] (the
+    pool, bf16/fp16/fp32); req_to_token [max_reqs, max_ctx]; req_pool_indices, seq_lens,
+    prefix_lens, extend_start_loc [B]. Returns o [T, Hq, Dv] in q's dtype."""
+    num_tokens, num_q_heads, head_dim = q_extend.shape
+    num_kv_heads, v_head_dim = k_extend.shape[1], v_extend.shape[2]
+    batch = seq_lens.shape[0]
+    out = q_extend.new_empty((num_tokens, num_q_heads, v_head_dim))
+    if num_tokens == 0:
+        return out
+    if max_extend_len is None:
+        max_extend_len = int((seq_lens - prefix_lens).max().item())  # NOTE: host sync
+    block_d = triton.next_power_of_2(head_dim)
+    if is_interpreter():
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    else:
+        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+        warps, stages = 4, 2
+    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q_extend, k_extend, v_extend, k_buffer, v_buffer, out, req_to_token, req_pool_indices,
+        seq_lens, prefix_lens, extend_start_loc, sm_scale * _LOG2E,
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0), num_q_heads // num_kv_heads, head_dim, v_head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_DV=triton.next_power_of_2(v_head_dim), UPCAST=INTERPRET_UPCAST,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def extend_attention_ref(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """PyTorch reference for `extend_attention`, in fp32."""
+    group = q_extend.shape[1] // k_extend.shape[1]
+    out = torch.empty(q_extend.shape[:2] + (v_extend.shape[2],), dtype=torch.float32)
+    out = out.to(q_extend.device)
+    for b in range(seq_lens.shape[0]):
+        pre, total = int(prefix_lens[b]), int(seq_lens[b])
+        s0, n = int(extend_start_loc[b]), total - pre
+        slots = req_to_token[int(req_pool_indices[b]), :pre].long()
+        k = torch.cat([k_buffer[slots].float(), k_extend[s0 : s0 + n].float()])  # [L, Hkv, D]
+        v = torch.cat([v_buffer[slots].float(), v_extend[s0 : s0 + n].float()])
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("thd,lhd->htl", q_extend[s0 : s0 + n].float(), k) * sm_scale
+        pos_q = torch.arange(n, device=s.device)[:, None] + pre
+        allowed = torch.arange(total, device=s.device)[None, :] <= pos_q  # [n, L]
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        out[s0 : s0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v)
+    return out.to(q_extend.dtype)

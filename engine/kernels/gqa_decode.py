@@ -1,0 +1,173 @@
+"""GQA/MHA decode attention for the Llama path: the grouped split-KV design of mla_decode.py.
+
+One program takes one KV head and the query heads that share it (padded to 16 rows for the
+MMA), over one split of the context; stage 2 (shared with MLA) merges splits by log-sum-exp.
+Slots are read through `req_to_token` (page size 1). FP8 pools are dequantized in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.mla_decode import choose_num_kv_splits, merge_splits
+from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _gqa_decode_stage1(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [num_slots, Hkv, D]
+    v_ptr,  # [num_slots, Hkv, Dv]
+    req_to_token_ptr,  # [max_reqs, max_ctx] int32
+    req_idx_ptr,  # [B]
+    seq_lens_ptr,  # [B]
+    mid_o_ptr,  # [B, Hq, S, Dv] fp32
+    mid_lse_ptr,  # [B, Hq, S] fp32 (log2)
+    qk_scale,  # sm_scale * log2(e)
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_rt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    group_size, head_dim, v_head_dim, num_splits,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_FP8: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    row = tl.load(req_idx_ptr + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    mask_g = offs_g < group_size
+    heads = kvh * group_size + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < head_dim
+    mask_dv = offs_dv < v_head_dim
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    scale = qk_scale
+    if IS_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        scale = scale * k_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slot = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0)
+        slot = slot.to(tl.int64)
+        k_ptrs = k_ptr + slot[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
+        v_ptrs = v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :]
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [N, Dv]
+        if IS_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = dot(q, k, UPCAST) * scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    base = b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
+    if end > start:
+        out = acc / l_i[:, None]
+        if IS_FP8:
+            out = out * v_scale
+        tl.store(mid_o_ptr + base + offs_dv[None, :], out, mask=mask_g[:, None] & mask_dv[None, :])
+        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_g)
+    else:
+        tl.store(ml_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_g)
+
+
+def gqa_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv];
+    req_to_token [max_reqs, max_ctx]; req_pool_indices [B]; seq_lens [B]. -> o [B, Hq, Dv].
+    FP8 (e4m3) pools need k_scale and v_scale ([1] fp32)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, v_head_dim = k_buffer.shape[1], v_buffer.shape[2]
+    assert num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    is_fp8 = k_buffer.dtype == torch.float8_e4m3fn
+    if is_fp8:
+        assert k_scale is not None and v_scale is not None
+    block_n = 16 if is_interpreter() else 64
+    block_h = max(16, triton.next_power_of_2(group))
+    if num_kv_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())  # NOTE: a host sync; pass it when capturing
+        num_kv_splits = choose_num_kv_splits(
+            batch, num_kv_heads, max_seq_len, block_h=1, block_n=block_n, min_tokens_per_split=128
+        )
+    dv_pow2 = triton.next_power_of_2(v_head_dim)
+    mid_o = q.new_empty((batch, num_q_heads, num_kv_splits, dv_pow2), dtype=torch.float32)
+    mid_lse = q.new_empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32)
+    dummy = mid_lse
+    _gqa_decode_stage1[(num_kv_heads, num_kv_splits, batch)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale * _LOG2E, k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1),
+        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        group, head_dim, v_head_dim, num_kv_splits,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=dv_pow2, IS_FP8=is_fp8, UPCAST=INTERPRET_UPCAST,
+        num_warps=4, num_stages=1 if is_interpreter() else 2,
+    )  # fmt: skip
+    out = q.new_empty((batch, num_q_heads, dv_pow2))
+    merge_splits(mid_o, mid_lse, out)
+    return out[..., :v_head_dim]
+
+
+def gqa_decode_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference for `gqa_decode`, in fp32; returns q's dtype."""
+    kf = k_buffer.float() * (k_scale.float() if k_scale is not None else 1.0)
+    vf = v_buffer.float() * (v_scale.float() if v_scale is not None else 1.0)
+    group = q.shape[1] // k_buffer.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        slots = req_to_token[int(req_pool_indices[b]), : int(seq_lens[b])].long()
+        k = kf[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = vf[slots].repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
+    return torch.stack(outs).to(q.dtype)

@@ -1,0 +1,124 @@
+"""Write new KV rows into the token-slot pools, quantizing to FP8 (e4m3) where the pool is FP8.
+
+One program writes one token's row (all of its heads): `buffer[loc[t]] = rows[t]`, or
+`clamp(rows[t] / scale, -448, 448)` cast to e4m3 for an FP8 pool with a per-layer scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FP8_MAX = 448.0
+
+
+@triton.jit
+def _store_rows_kernel(
+    src_ptr,  # [T, D] (row stride given, contiguous within a row)
+    dst_ptr,  # [num_slots, D] (row stride given)
+    loc_ptr,  # [T] slot ids
+    scale_ptr,  # [1] fp32 (only when IS_FP8)
+    stride_src,
+    stride_dst,
+    D,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    dblk = tl.program_id(1)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(src_ptr + t.to(tl.int64) * stride_src + offs, mask=mask, other=0.0)
+    if IS_FP8:
+        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+        tl.store(dst_ptr + slot * stride_dst + offs, y.to(dst_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst_ptr + slot * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _store_rows(
+    dst: torch.Tensor, loc: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    # dst [num_slots, D] view; src [T, D]; loc [T]
+    num_tokens, dim = src.shape
+    if num_tokens == 0:
+        return
+    assert dst.stride(-1) == 1 and src.stride(-1) == 1
+    is_fp8 = dst.dtype == torch.float8_e4m3fn
+    if is_fp8:
+        assert scale is not None, "an fp8 pool needs its scale"
+    block_d = min(1024, triton.next_power_of_2(dim))
+    grid = (num_tokens, triton.cdiv(dim, block_d))
+    _store_rows_kernel[grid](
+        src, dst, loc, scale if scale is not None else loc, src.stride(0), dst.stride(0), dim,
+        BLOCK_D=block_d, IS_FP8=is_fp8, num_warps=4,
+    )  # fmt: skip
+
+
+def store_mla_kv(
+    kv_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    latent_with_rope: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
+    """kv_buffer [num_slots, 1, C + R]; loc [T] (out_cache_loc); latent_with_rope [T, C + R]
+    (or [T, 1, C + R]). k_scale [1] fp32 is required for an fp8 pool."""
+    src = latent_with_rope.reshape(latent_with_rope.shape[0], -1)
+    dst = kv_buffer.view(kv_buffer.shape[0], -1)
+    _store_rows(dst, loc, src, k_scale)
+
+
+def store_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """MHA pool: k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv]; k [T, Hkv, D];
+    v [T, Hkv, Dv]; loc [T]."""
+    _store_rows(k_buffer.view(k_buffer.shape[0], -1), loc, k.reshape(k.shape[0], -1), k_scale)
+    _store_rows(v_buffer.view(v_buffer.shape[0], -1), loc, v.reshape(v.shape[0], -1), v_scale)
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale, clamped to e4m3's range, cast to float8_e4m3fn."""
+    y = (x.to(torch.float32) / scale.to(torch.float32)).clamp(-_FP8_MAX, _FP8_MAX)
+    return y.to(torch.float8_e4m3fn)
+
+
+def store_mla_kv_ref(
+    kv_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    latent_with_rope: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
+    """PyTorch reference for `store_mla_kv` (writes in place)."""
+    src = latent_with_rope.reshape(latent_with_rope.shape[0], 1, -1)
+    if kv_buffer.dtype == torch.float8_e4m3fn:
+        assert k_scale is not None
+        kv_buffer[loc.long()] = quantize_fp8_ref(src, k_scale)
+    else:
+        kv_buffer[loc.long()] = src.to(kv_buffer.dtype)
+
+
+def store_kv_ref(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """PyTorch reference for `store_kv` (writes in place)."""
+    for buf, x, scale in ((k_buffer, k, k_scale), (v_buffer, v, v_scale)):
+        if buf.dtype == torch.float8_e4m3fn:
+            assert scale is not None
+            buf[loc.long()] = quantize_fp8_ref(x, scale)
+        else:
+            buf[loc.long()] = x.to(buf.dtype)

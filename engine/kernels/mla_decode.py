@@ -1,0 +1,552 @@
+"""Grouped MLA decode attention (split-KV, two stages) over the latent KV pool.
+
+After weight absorption every query head attends to the same latent KV row
+(`kv_lora_rank` latent + `qk_rope_head_dim` rope = 576 for DeepSeek), so one program takes a
+*group* of query heads and each KV tile it loads is used by the whole group. The context is cut
+into `num_kv_splits` pieces (stage 1, one program per (head group, split, request)); stage 2
+merges the partial outputs with their log-sum-exp. The split count is picked from batch, heads
+and context so that small batches still fill the GPU.
+
+Slots are read through a table: `req_to_token` (page size 1, one slot id per position) or a
+FlashMLA-style `block_table` (page size 64, one page id per 64 positions). FP8 (e4m3) caches are
+dequantized in registers: the per-layer scale folds into the softmax scale for QK and into the
+output for PV.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter, num_sms
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_stage1(
+    q_ptr,  # [B, H, C + R]
+    kv_ptr,  # [num_slots, C + R] (row stride given)
+    table_ptr,  # [rows, cols] int32: slot ids (PAGE_SIZE 1) or page ids
+    row_idx_ptr,  # [B] table row per request (only when HAS_ROW_IDX)
+    seq_lens_ptr,  # [B]
+    mid_o_ptr,  # [B, H, S, C] fp32
+    mid_lse_ptr,  # [B, H, S] fp32 (log2 units)
+    qk_scale,  # sm_scale * log2(e) (times k_scale for fp8 is applied in-kernel)
+    k_scale_ptr,  # [1] fp32 (only when IS_FP8)
+    stride_qb,
+    stride_qh,
+    stride_kv,
+    stride_table,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    num_heads,
+    num_splits,
+    C: tl.constexpr,  # kv_lora_rank (power of two)
+    R: tl.constexpr,  # rope dim (power of two)
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_ROW_IDX: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr,  # fp8 cache: run the dots in fp16 (e4m3 -> fp16 is one cvt per pair)
+    RELOAD_V: tl.constexpr,  # load V again for PV (its own async copy) instead of reusing K
+    UPCAST: tl.constexpr,
+):
+    # NOTE: the head group is the fastest grid axis, so programs that share a KV tile run
+    # side by side and the re-reads of a tile (heads > BLOCK_H) mostly hit L2.
+    hg = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    if HAS_ROW_IDX:
+        row = tl.load(row_idx_ptr + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    # Split boundaries are multiples of BLOCK_N so that paged tiles stay inside one page.
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, C)
+    offs_r = tl.arange(0, R)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+
+    if IS_FP8 and FP8_F16:
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
+    scale = qk_scale
+    if IS_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        scale = scale * k_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    table_row = table_ptr + row * stride_table
+    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead, so the KV loads
+    # never wait on an index load issued in the same iteration.
+    offs_t = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE == 1:
+        next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
+    else:
+        next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + offs_t
+        mask_n = offs_n < end
+        if PAGE_SIZE == 1:
+            slot = next_slot.to(tl.int64)
+            next_slot = tl.load(table_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < end, other=0)
+        else:
+            page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
+        kv_rows = kv_ptr + slot[:, None] * stride_kv
+        kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+        pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        # NOTE: transpose before the fp8 -> fp16 conversion, so that the converts happen on
+        # dot-operand registers and the tile itself goes global -> shared by async copy.
+        k_t = tl.trans(kv)
+        pe_t = tl.trans(pe)
+        if IS_FP8:
+            k_t = k_t.to(q_nope.dtype)
+            pe_t = pe_t.to(q_nope.dtype)
+        qk = dot(q_nope, k_t, UPCAST)
+        qk += dot(q_pe, pe_t, UPCAST)
+        qk = qk * scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if RELOAD_V:
+            # NOTE: the eviction hint keeps this load distinct from the K load (no CSE), so it
+            # gets its own async copy into a layout the PV dot reads directly.
+            v = tl.load(
+                kv_rows + offs_c[None, :],
+                mask=mask_n[:, None],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+        else:
+            v = kv
+        if IS_FP8:
+            v = v.to(q_nope.dtype)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    mo_ptrs = (
+        mid_o_ptr
+        + b.to(tl.int64) * stride_mob
+        + offs_h[:, None] * stride_moh
+        + split * stride_mos
+        + offs_c[None, :]
+    )
+    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + offs_h * stride_mlh + split
+    if end > start:
+        out = acc / l_i[:, None]
+        if IS_FP8:
+            out = out * k_scale
+        tl.store(mo_ptrs, out, mask=mask_h[:, None])
+        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+    else:
+        tl.store(ml_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_stage1_swap(
+    q_ptr, kv_ptr, table_ptr, row_idx_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    k_scale_ptr, stride_qb, stride_qh, stride_kv, stride_table, stride_mob, stride_moh,
+    stride_mos, stride_mlb, stride_mlh, num_heads, num_splits,
+    C: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_ROW_IDX: tl.constexpr, IS_FP8: tl.constexpr,
+    FP8_F16: tl.constexpr, RELOAD_V: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Stage 1 with the MMA operands swapped: S^T = K Q^T and O^T = V^T P^T.
+
+    Tokens sit on the MMA's M side (64 = one Hopper warpgroup MMA) and the head group on N,
+    so a group of 16 heads can use wgmma instead of the half-rate mma.sync that M = 16
+    needs. Same arguments and outputs as `_mla_decode_stage1`.
+    """
+    hg = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    if HAS_ROW_IDX:
+        row = tl.load(row_idx_ptr + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, C)
+    offs_r = tl.arange(0, R)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[None, :] * stride_qh
+    q_nope_t = tl.load(q_base + offs_c[:, None], mask=mask_h[None, :], other=0.0)  # [C, H]
+    q_pe_t = tl.load(q_base + C + offs_r[:, None], mask=mask_h[None, :], other=0.0)  # [R, H]
+    if IS_FP8 and FP8_F16:
+        q_nope_t = q_nope_t.to(tl.float16)
+        q_pe_t = q_pe_t.to(tl.float16)
+    scale = qk_scale
+    if IS_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        scale = scale * k_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([C, BLOCK_H], dtype=tl.float32)  # O^T
+    table_row = table_ptr + row * stride_table
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if PAGE_SIZE == 1:
+            slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + (offs_n % PAGE_SIZE)
+        kv_rows = kv_ptr + slot[:, None] * stride_kv
+        kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)  # [N, C]
+        pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [N, R]
+        k = kv
+        if IS_FP8:
+            k = k.to(q_nope_t.dtype)
+            pe = pe.to(q_nope_t.dtype)
+        s = dot(k, q_nope_t, UPCAST)
+        s += dot(pe, q_pe_t, UPCAST)  # [N, H]
+        s = s * scale
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        if RELOAD_V:
+            v = tl.load(
+                kv_rows + offs_c[None, :],
+                mask=mask_n[:, None],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+        else:
+            v = kv
+        if IS_FP8:
+            v = v.to(q_nope_t.dtype)
+        acc = acc * alpha[None, :] + dot(tl.trans(v), p.to(v.dtype), UPCAST)
+        m_i = m_new
+
+    mo_ptrs = (
+        mid_o_ptr
+        + b.to(tl.int64) * stride_mob
+        + offs_h[None, :] * stride_moh
+        + split * stride_mos
+        + offs_c[:, None]
+    )
+    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + offs_h * stride_mlh + split
+    if end > start:
+        out = acc / l_i[None, :]
+        if IS_FP8:
+            out = out * k_scale
+        tl.store(mo_ptrs, out, mask=mask_h[None, :])
+        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+    else:
+        tl.store(ml_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_stage2(
+    mid_o_ptr,  # [B, H, S, C] fp32
+    mid_lse_ptr,  # [B, H, S] fp32
+    o_ptr,  # [B, H, C]
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, C)
+    ml_base = mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh
+    lse = tl.load(ml_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    mo_base = mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh
+    acc = tl.zeros([C], dtype=tl.float32)
+    for s in range(num_splits):
+        ws = tl.exp2(tl.load(ml_base + s) - m)
+        if ws > 0.0:
+            acc += ws * tl.load(mo_base + s * stride_mos + offs_c)
+    out = acc / denom
+    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+class MLADecodeConfig(NamedTuple):
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fp8_f16: bool = True
+    reload_v: bool = False
+    swap_ab: bool = False  # tokens on the MMA's M side (see _mla_decode_stage1_swap)
+    waves: float = 2.0  # split count aims at this many programs per SM
+    min_split_tokens: int = 256
+
+
+def default_config(num_heads: int, is_fp8: bool, page_size: int) -> MLADecodeConfig:
+    """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
+    if is_interpreter():
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if num_heads <= 16:
+        if is_fp8:
+            return MLADecodeConfig(
+                16, 64, 8, 3, fp8_f16=True, reload_v=True, waves=1.0, min_split_tokens=128
+            )
+        return MLADecodeConfig(16, 64, 4, 3, waves=2.0, min_split_tokens=128)
+    if is_fp8:
+        cfg = MLADecodeConfig(64, 64, 8, 1, fp8_f16=False, reload_v=True, waves=1.0)
+    else:
+        cfg = MLADecodeConfig(64, 64, 8, 2, waves=1.0)
+    return cfg._replace(min_split_tokens=128)
+
+
+def choose_num_kv_splits(
+    batch: int,
+    num_heads: int,
+    max_seq_len: int,
+    block_h: int = 16,
+    block_n: int = 64,
+    sms: int | None = None,
+    waves: float = 2.0,
+    min_tokens_per_split: int = 256,
+) -> int:
+    """Split count so that batch x head groups x splits fills about `waves` waves of the SMs.
+
+    Each split keeps at least `min_tokens_per_split` tokens, so short contexts are not cut into
+    pieces whose merge costs more than it saves.
+    """
+    sms = sms if sms is not None else num_sms()
+    programs = batch * math.ceil(num_heads / block_h)
+    want = int(waves * sms) // max(programs, 1)
+    most = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
+    return int(max(1, min(want, most, 64)))
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
+    batch, num_heads, num_splits, dv = mid_o.shape
+    _mla_decode_stage2[(num_heads, batch)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        C=dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4 if dv >= 256 else 1,
+    )  # fmt: skip
+
+
+def _launch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    row_idx: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None,
+    page_size: int,
+    num_kv_splits: int | None,
+    max_seq_len: int | None,
+    config: MLADecodeConfig | None,
+) -> torch.Tensor:
+    # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C]
+    batch, num_heads, head_dim = q.shape
+    c = kv_lora_rank
+    r = head_dim - c
+    assert kv.shape[-1] == head_dim, (kv.shape, q.shape)
+    assert c & (c - 1) == 0 and r & (r - 1) == 0, "kv_lora_rank and rope dim must be powers of 2"
+    assert kv.stride(-1) == 1 and q.stride(-1) == 1
+    is_fp8 = kv.dtype == torch.float8_e4m3fn
+    if is_fp8:
+        assert k_scale is not None, "an fp8 cache needs its k_scale"
+    cfg = config or default_config(num_heads, is_fp8, page_size)
+    block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
+    assert page_size == 1 or page_size % block_n == 0
+    if num_kv_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())  # NOTE: a host sync; pass it when capturing
+        num_kv_splits = choose_num_kv_splits(
+            batch, num_heads, max_seq_len, cfg.block_h, block_n,
+            waves=cfg.waves, min_tokens_per_split=cfg.min_split_tokens,
+        )  # fmt: skip
+    block_h = min(cfg.block_h, max(16, triton.next_power_of_2(num_heads)))
+
+    mid_o = torch.empty((batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((batch, num_heads, c), dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(num_heads, block_h), num_kv_splits, batch)
+    stage1 = _mla_decode_stage1_swap if cfg.swap_ab else _mla_decode_stage1
+    stage1[grid](
+        q,
+        kv,
+        table,
+        row_idx if row_idx is not None else seq_lens,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        sm_scale * _LOG2E,
+        k_scale if k_scale is not None else mid_lse,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        table.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        num_heads,
+        num_kv_splits,
+        C=c,
+        R=r,
+        PAGE_SIZE=page_size,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        HAS_ROW_IDX=row_idx is not None,
+        IS_FP8=is_fp8,
+        FP8_F16=cfg.fp8_f16,
+        RELOAD_V=cfg.reload_v,
+        UPCAST=INTERPRET_UPCAST,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    merge_splits(mid_o, mid_lse, out)
+    return out
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode over a page-size-1 latent pool.
+
+    q [B, H, C + R]; kv_buffer [num_slots, 1, C + R] (bf16/fp16/fp32, or fp8 e4m3 with
+    k_scale [1] fp32); req_to_token [max_reqs, max_ctx] int32; req_pool_indices [B];
+    seq_lens [B] (including the token being decoded). Returns o [B, H, C] in q's dtype.
+    """
+    kv = kv_buffer.view(kv_buffer.shape[0], kv_buffer.shape[-1])
+    return _launch(
+        q, kv, req_to_token, req_pool_indices, seq_lens, kv_lora_rank, sm_scale, k_scale, 1,
+        num_kv_splits, max_seq_len, config,
+    )  # fmt: skip
+
+
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode over FlashMLA's paged layout.
+
+    q [B, H, C + R]; kv_cache [num_pages, page_size, 1, C + R]; block_table [B, max_pages] int32;
+    seq_lens [B]. Returns o [B, H, C].
+    """
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    kv = kv_cache.view(num_pages * page_size, kv_cache.shape[-1])
+    return _launch(
+        q, kv, block_table, None, seq_lens, kv_lora_rank, sm_scale, k_scale, page_size,
+        num_kv_splits, max_seq_len, config,
+    )  # fmt: skip
+
+
+def _dequant(kv: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor:
+    if kv.dtype == torch.float8_e4m3fn:
+        assert k_scale is not None
+        return kv.to(torch.float32) * k_scale.to(torch.float32)
+    return kv.to(torch.float32)
+
+
+def mla_attention_ref(
+    q: torch.Tensor, kv_rows: list[torch.Tensor], kv_lora_rank: int, sm_scale: float
+) -> torch.Tensor:
+    """q [B, H, C + R] and one [L_b, C + R] fp32 row block per request -> o [B, H, C] fp32."""
+    outs = []
+    for b, rows in enumerate(kv_rows):
+        s = q[b].float() @ rows.T * sm_scale  # [H, L]
+        outs.append(torch.softmax(s, dim=-1) @ rows[:, :kv_lora_rank])
+    return torch.stack(outs)
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference for `mla_decode`, in fp32. Returns [B, H, C] in q's dtype."""
+    kv = _dequant(kv_buffer[:, 0], k_scale)
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        rows.append(kv[slots])
+    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)
+
+
+def mla_decode_paged_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch reference for `mla_decode_paged`, in fp32."""
+    page_size = kv_cache.shape[1]
+    kv = _dequant(kv_cache.flatten(0, 1)[:, 0], k_scale)
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        pos = torch.arange(n, device=q.device)
+        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
+        rows.append(kv[slots])
+    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)

@@ -1,0 +1,428 @@
+"""Kernel benchmarks on one GPU: MLA decode against FlashMLA, fused MoE against a per-expert loop.
+
+Run on the device (H200):  python3 perf/bench_kernels.py [--tune] [--no-moe] [--out DIR]
+FlashMLA comes from the `sgl-flash-mla` wheel (carried; the MLA table skips it when missing).
+
+Every time is a CUDA-graph replay of `--calls` back-to-back calls (launch gaps hidden), median
+over `--reps` replays, divided by the call count. Bandwidth counts the bytes each call must
+move at least: KV rows read + q read + o written for attention; for MoE the expert weights
+touched + activations. The device-to-device copy bandwidth is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from engine.kernels.mla_decode import (  # noqa: E402
+    MLADecodeConfig,
+    choose_num_kv_splits,
+    default_config,
+    mla_decode,
+    mla_decode_paged,
+)
+
+C, R, PAGE = 512, 64, 64
+HEADS = (16, 128)
+BATCHES = (1, 16, 64, 128)
+CONTEXTS = (1024, 4096, 16384)
+
+
+def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
+    """Median seconds per call of `fn`, from CUDA-graph replays of `calls` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, GB/s counting bytes read + written (1 GiB buffers).
+
+    The best of a copy kernel (`torch.mul(src, 1, out=dst)`) and `copy_` (which a graph may run
+    on the copy engines, slower).
+    """
+    n = 1 << 29
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t_kernel = time_graph(lambda: torch.mul(src, 1, out=dst), calls=10, reps=10)
+    t_copy = time_graph(lambda: dst.copy_(src), calls=10, reps=10)
+    return 2 * n * 2 / min(t_kernel, t_copy) / 1e9
+
+
+class MLAPoint:
+    """Shared inputs for one (batch, context): a paged bf16 cache, its fp8 copy and the tables.
+
+    The page-size-1 `req_to_token` view points at the same rows as the block table, so every
+    variant reads the same memory.
+    """
+
+    def __init__(self, batch: int, ctx: int) -> None:
+        self.batch, self.ctx = batch, ctx
+        pages_per_req = math.ceil(ctx / PAGE)
+        num_pages = batch * pages_per_req
+        g = torch.Generator(device="cuda").manual_seed(batch * 100003 + ctx)
+        self.cache = torch.randn(
+            num_pages, PAGE, 1, C + R, device="cuda", dtype=torch.bfloat16, generator=g
+        )
+        self.k_scale = (self.cache.abs().amax().float() / 448.0).reshape(1)
+        self.cache8 = (self.cache.float() / self.k_scale).to(torch.float8_e4m3fn)
+        perm = torch.randperm(num_pages, device="cuda", generator=g)
+        self.block_table = perm.view(batch, pages_per_req).int()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        pos = torch.arange(ctx, device="cuda")
+        self.req_to_token = (
+            self.block_table[:, pos // PAGE].long() * PAGE + pos % PAGE
+        ).int()  # [batch, ctx]
+        self.req_pool_indices = torch.arange(batch, device="cuda")
+
+    def q(self, heads: int) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(heads)
+        return torch.randn(
+            self.batch, heads, C + R, device="cuda", dtype=torch.bfloat16, generator=g
+        )
+
+    def bytes(self, heads: int, kv_elem: int) -> int:
+        return self.batch * (self.ctx * (C + R) * kv_elem + heads * ((C + R) + C) * 2)
+
+
+def flashmla_fns(p: MLAPoint, q: torch.Tensor, scale: float) -> dict[str, Callable[[], Any]]:
+    try:
+        from flash_mla import flash_mla_with_kvcache, get_mla_decoding_metadata
+        from flash_mla.flash_mla_interface import FlashMLASchedMeta
+    except ImportError:
+        return {}
+    q4 = q.unsqueeze(1)
+    meta = FlashMLASchedMeta()
+
+    def bf16() -> Any:
+        return flash_mla_with_kvcache(
+            q4, p.cache, p.block_table, p.seq_lens, C, meta,
+            softmax_scale=scale, causal=True, use_legacy=True,
+        )  # fmt: skip
+
+    q8 = q4.to(torch.float8_e4m3fn)
+    one = torch.ones(1, dtype=torch.float32, device="cuda")
+    meta8 = FlashMLASchedMeta()
+    tsm, splits = get_mla_decoding_metadata(
+        p.seq_lens, q.shape[1], 1, is_fp8_kvcache=True, use_legacy=True
+    )
+    meta8.tile_scheduler_metadata, meta8.num_splits = tsm, splits
+
+    def fp8() -> Any:
+        return flash_mla_with_kvcache(
+            q8, p.cache8, p.block_table, p.seq_lens, C, meta8, softmax_scale=scale,
+            causal=True, is_fp8_kvcache=True, use_legacy=True, descale_q=one,
+            descale_k=p.k_scale,
+        )  # fmt: skip
+
+    return {"fm_bf16": bf16, "fm_fp8": fp8}
+
+
+def ours_fns(
+    p: MLAPoint,
+    q: torch.Tensor,
+    scale: float,
+    cfg: MLADecodeConfig | None = None,
+    splits: int | None = None,
+) -> dict[str, Callable[[], Any]]:
+    heads = q.shape[1]
+    kv1 = p.cache.view(-1, 1, C + R)
+
+    def split_count(fp8: bool, page: int) -> int:
+        if splits is not None:
+            return splits
+        c = cfg or default_config(heads, fp8, page)
+        return choose_num_kv_splits(
+            p.batch, heads, p.ctx, c.block_h, c.block_n, waves=c.waves,
+            min_tokens_per_split=c.min_split_tokens,
+        )  # fmt: skip
+
+    s_b, s_1, s_8 = split_count(False, PAGE), split_count(False, 1), split_count(True, PAGE)
+    return {
+        "ours_bf16": lambda: mla_decode_paged(
+            q, p.cache, p.block_table, p.seq_lens, C, scale, num_kv_splits=s_b, config=cfg
+        ),
+        "ours_bf16_p1": lambda: mla_decode(
+            q,
+            kv1,
+            p.req_to_token,
+            p.req_pool_indices,
+            p.seq_lens,
+            C,
+            scale,
+            num_kv_splits=s_1,
+            config=cfg,
+        ),  # fmt: skip
+        "ours_fp8": lambda: mla_decode_paged(
+            q,
+            p.cache8,
+            p.block_table,
+            p.seq_lens,
+            C,
+            scale,
+            k_scale=p.k_scale,
+            num_kv_splits=s_8,
+            config=cfg,
+        ),  # fmt: skip
+    }
+
+
+def _out(x: Any) -> torch.Tensor:
+    """Ours return o [B, H, C]; FlashMLA returns (o [B, 1, H, C], lse)."""
+    return x[0].squeeze(1) if isinstance(x, tuple) else x
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> str:
+    scale = (C + R) ** -0.5
+    rows = []
+    header = (
+        "| heads | batch | ctx | FlashMLA bf16 us | ours bf16 us (GB/s) | ratio | "
+        "ours bf16 page-1 us | ratio | FlashMLA fp8 us | ours fp8 us (GB/s) | "
+        "vs FlashMLA bf16 | vs FlashMLA fp8 | bf16 % copy | fp8 % copy |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    for batch in args.batches:
+        for ctx in args.contexts:
+            p = MLAPoint(batch, ctx)
+            for heads in args.heads:
+                q = p.q(heads)
+                fns = {**flashmla_fns(p, q, scale), **ours_fns(p, q, scale)}
+                t = {k: time_graph(f, args.calls, args.reps) for k, f in fns.items()}
+                check = {}
+                if "fm_bf16" in fns:
+                    ref = _out(fns["fm_bf16"]())
+                    for k in ("ours_bf16", "ours_bf16_p1", "ours_fp8", "fm_fp8"):
+                        check[k] = rel_err(_out(fns[k]()), ref)
+                b16, b8 = p.bytes(heads, 2), p.bytes(heads, 1)
+                rec = {"heads": heads, "batch": batch, "ctx": ctx, "t": t, "err": check}
+                log.append(rec)
+                fm, fm8 = t.get("fm_bf16", float("nan")), t.get("fm_fp8", float("nan"))
+                ob, o1, o8 = t["ours_bf16"], t["ours_bf16_p1"], t["ours_fp8"]
+                line = (
+                    f"| {heads} | {batch} | {ctx} | {fm * 1e6:.1f} | "
+                    f"{ob * 1e6:.1f} ({b16 / ob / 1e9:.0f}) | {fm / ob:.2f}x | "
+                    f"{o1 * 1e6:.1f} | {fm / o1:.2f}x | {fm8 * 1e6:.1f} | "
+                    f"{o8 * 1e6:.1f} ({b8 / o8 / 1e9:.0f}) | {fm / o8:.2f}x | {fm8 / o8:.2f}x | "
+                    f"{100 * b16 / ob / 1e9 / copy_gbs:.0f}% | "
+                    f"{100 * b8 / o8 / 1e9 / copy_gbs:.0f}% |"
+                )
+                rows.append(line)
+                errs = " ".join(f"{k}={v:.1e}" for k, v in check.items())
+                print(line, f"  err vs FlashMLA bf16: {errs}", flush=True)
+            del p
+            torch.cuda.empty_cache()
+    return header + "\n" + "\n".join(rows)
+
+
+F, T = False, True
+M = MLADecodeConfig
+TUNE = {
+    (16, "ours_bf16"): [
+        M(16, 64, 4, 3, T, F, F),
+        M(16, 64, 4, 3, T, F, T),
+        M(16, 64, 4, 2, T, F, T),
+        M(16, 64, 8, 3, T, F, T),
+    ],
+    (16, "ours_fp8"): [
+        M(16, 64, 8, 3, T, T, F),
+        M(16, 64, 4, 3, T, T, T),
+        M(16, 64, 4, 3, T, F, T),
+        M(16, 64, 4, 4, T, T, T),
+        M(16, 64, 4, 2, T, T, T),
+    ],
+    (128, "ours_bf16"): [
+        M(64, 64, 8, 2, T, F, F),
+        M(32, 64, 4, 2, T, F, T),
+        M(32, 64, 4, 3, T, F, T),
+        M(64, 64, 8, 2, T, F, T),
+        M(16, 64, 4, 3, T, F, T),
+    ],
+    (128, "ours_fp8"): [
+        M(64, 64, 8, 1, F, T, F),
+        M(32, 64, 4, 3, T, T, T),
+        M(16, 64, 4, 3, T, T, T),
+    ],
+}
+
+
+def split_candidates(
+    batch: int, heads: int, ctx: int, cfg: MLADecodeConfig, wide: bool
+) -> list[int]:
+    base = choose_num_kv_splits(batch, heads, ctx, cfg.block_h, cfg.block_n)
+    if not wide:
+        return sorted({max(1, base // 2), base, base * 2})
+    groups = batch * math.ceil(heads / cfg.block_h)
+    cands = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128]
+    return [c for c in cands if 64 <= groups * c <= 1100 and c <= max(1, ctx // 128)] or [base]
+
+
+def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
+    """Sweep tile configs and split counts (paged bf16 and fp8); print the best per point."""
+    scale = (C + R) ** -0.5
+    for heads, ctxs in ((16, (4096, 16384)), (128, (4096,))):
+        if heads not in args.heads:
+            continue
+        for batch in args.batches:
+            for ctx in ctxs:
+                p = MLAPoint(batch, ctx)
+                q = p.q(heads)
+                fm = {k: time_graph(f, args.calls, 3) for k, f in flashmla_fns(p, q, scale).items()}
+                for kind in ("ours_bf16", "ours_fp8"):
+                    results = []
+                    for cfg in TUNE[(heads, kind)]:
+                        wide = False
+                        for splits in split_candidates(batch, heads, ctx, cfg, wide):
+                            fn = ours_fns(p, q, scale, cfg, splits)[kind]
+                            try:
+                                t = time_graph(fn, args.calls, 3)
+                            except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+                                print(f"  skip {cfg} s={splits}: {type(e).__name__}", flush=True)
+                                break
+                            results.append((t, cfg, splits))
+                            log.append(
+                                {
+                                    "tune": kind,
+                                    "heads": heads,
+                                    "batch": batch,
+                                    "ctx": ctx,
+                                    "cfg": list(cfg),
+                                    "splits": splits,
+                                    "t": t,
+                                }
+                            )
+                    results.sort(key=lambda x: x[0])
+                    ref = fm.get("fm_bf16", float("nan"))
+                    top = ", ".join(
+                        f"{t * 1e6:.1f}us {tuple(int(v) for v in c[:7])} s={s}"
+                        for t, c, s in results[:4]
+                    )
+                    print(f"TUNE h={heads} b={batch} ctx={ctx} {kind}: fm_bf16={ref * 1e6:.1f}us "
+                          f"fm_fp8={fm.get('fm_fp8', float('nan')) * 1e6:.1f}us best: {top}",
+                          flush=True)  # fmt: skip
+                del p
+                torch.cuda.empty_cache()
+
+
+def time_plain(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds per call with events around each call (for code that syncs the host)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+MOE_TOKENS = (1, 16, 64, 256, 1024)
+
+
+def bench_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> str:
+    """DeepSeek-V2-Lite's MoE shape: 64 experts, top-6, hidden 2048, moe_intermediate 1408."""
+    from engine.kernels.fused_moe import fused_moe, fused_moe_ref
+
+    e, k, h, i = 64, 6, 2048, 1408
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=g) / i**0.5
+    rows = []
+    header = (
+        "| tokens | experts touched | fused MoE us | per-expert loop us | speed-up | "
+        "weight-bytes bound us | % of bound | rel err |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    for t in MOE_TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, e, device="cuda", generator=g)
+        topk_w, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        touched = int(torch.unique(topk_ids).numel())
+        nbytes = touched * 3 * i * h * 2 + t * h * 2 * 2 + t * k * (2 * i + h) * 2 * 2
+        moe_args = (x, w13, w2, topk_w, topk_ids)
+        t_ours = time_graph(functools.partial(fused_moe, *moe_args), args.calls, args.reps)
+        t_loop = time_plain(functools.partial(fused_moe_ref, *moe_args), 5)
+        err = rel_err(fused_moe(*moe_args), fused_moe_ref(*moe_args))
+        bound = nbytes / (copy_gbs * 1e9)
+        line = (
+            f"| {t} | {touched} | {t_ours * 1e6:.1f} | {t_loop * 1e6:.0f} | "
+            f"{t_loop / t_ours:.1f}x | {bound * 1e6:.1f} | {100 * bound / t_ours:.0f}% | "
+            f"{err:.1e} |"
+        )
+        print(line, flush=True)
+        rows.append(line)
+        log.append({"moe": t, "t": t_ours, "loop": t_loop, "bound": bound, "err": err})
+    return header + "\n" + "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tune", action="store_true", help="sweep MLA configs instead of the table")
+    ap.add_argument("--no-mla", action="store_true")
+    ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a GPU"
+    t0 = time.time()
+    log: list[dict[str, Any]] = []
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    copy_gbs = copy_bandwidth()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    tables = [f"copy bandwidth: {copy_gbs:.0f} GB/s"]
+    if args.tune:
+        tune_mla(args, log)
+    elif not args.no_mla:
+        tables.append(bench_mla(args, copy_gbs, log))
+    if not args.no_moe and not args.tune:
+        tables.append(bench_moe(args, copy_gbs, log))
+    print(f"\ntotal {time.time() - t0:.0f} s\n")
+    print("\n\n".join(tables))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump(log, f, default=str)
+
+
+if __name__ == "__main__":
+    main()

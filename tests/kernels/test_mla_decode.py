@@ -1,0 +1,151 @@
+"""MLA decode (page size 1 and paged, bf16/fp32 and FP8) against the PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.kv_store import quantize_fp8_ref, store_mla_kv
+from engine.kernels.mla_decode import (
+    MLADecodeConfig,
+    choose_num_kv_splits,
+    mla_decode,
+    mla_decode_paged,
+    mla_decode_paged_ref,
+    mla_decode_ref,
+)
+
+C, R = 64, 16  # kv_lora_rank, rope dim (576 = 512 + 64 on real models)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _pool_inputs(
+    seq_lens: list[int], heads: int, dtype: torch.dtype, seed: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    total = sum(seq_lens)
+    num_slots = total + 7
+    kv = torch.randn(num_slots, 1, C + R, generator=g).to(dtype)
+    kv[0] = 1e4  # slot 0 is the padding sink: reading it would show in the output
+    max_reqs, max_ctx = batch + 3, max(seq_lens) + 5
+    req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
+    slots = torch.randperm(num_slots - 1, generator=g)[:total] + 1
+    rows = torch.randperm(max_reqs, generator=g)[:batch]
+    off = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[rows[b], :n] = slots[off : off + n].int()
+        off += n
+    q = torch.randn(batch, heads, C + R, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, kv, req_to_token, rows.long(), lens))
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [
+        ([1], 16, None),  # batch 1, one token
+        ([37], 16, 4),  # not a multiple of the tile; some splits hold few tokens
+        ([5, 100, 17, 64], 16, None),  # mixed lengths
+        ([3, 50], 20, 3),  # heads not a multiple of the head group; empty splits for the short one
+        ([33, 70], 4, 8),  # fewer heads than one group
+    ],
+)
+def test_mla_decode_matches_ref(
+    seq_lens: list[int], heads: int, splits: int | None, device: torch.device
+) -> None:
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        seq_lens, heads, torch.float32, seed=len(seq_lens), device=device
+    )
+    scale = (C + R) ** -0.5
+    out = mla_decode(q, kv, req_to_token, rows, lens, C, scale, num_kv_splits=splits)
+    ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale)
+    assert out.shape == (len(seq_lens), heads, C)
+    assert _rel_err(out, ref) < 1e-2  # tl.dot may use tf32
+
+
+def _small_config(device: torch.device, **kw: bool) -> MLADecodeConfig:
+    return MLADecodeConfig(16, 32 if device.type == "cuda" else 16, 4, 2)._replace(**kw)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_mla_decode_bf16(swap_ab: bool, device: torch.device) -> None:
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        [9, 81], 16, torch.bfloat16, seed=3, device=device
+    )
+    cfg = _small_config(device, swap_ab=swap_ab)
+    out = mla_decode(q, kv, req_to_token, rows, lens, C, 0.1, num_kv_splits=2, config=cfg)
+    ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1)
+    assert out.dtype == torch.bfloat16
+    assert _rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "f16,reload_v,swap_ab", [(True, False, False), (False, True, False), (True, True, True)]
+)
+def test_mla_decode_fp8(f16: bool, reload_v: bool, swap_ab: bool, device: torch.device) -> None:
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        [1, 45, 90], 16, torch.float32, seed=5, device=device
+    )
+    k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
+    kv8 = quantize_fp8_ref(kv, k_scale)
+    q = q.to(torch.bfloat16)
+    scale = (C + R) ** -0.5
+    cfg = _small_config(device, fp8_f16=f16, reload_v=reload_v, swap_ab=swap_ab)
+    out = mla_decode(
+        q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale, num_kv_splits=3, config=cfg
+    )
+    ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale)
+    assert _rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_decode_paged(fp8: bool, device: torch.device) -> None:
+    g = torch.Generator().manual_seed(11)
+    page, seq_lens, heads = 16, [1, 16, 47, 100], 16
+    max_pages = (max(seq_lens) + page - 1) // page
+    num_pages = len(seq_lens) * max_pages + 2
+    cache = torch.randn(num_pages, page, 1, C + R, generator=g)
+    k_scale = torch.tensor([0.03])
+    if fp8:
+        cache = quantize_fp8_ref(cache, k_scale)
+    block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
+    block_table = block_table.view(len(seq_lens), max_pages).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g)
+    q, cache, block_table, lens, k_scale = (
+        t.to(device) for t in (q, cache, block_table, lens, k_scale)
+    )
+    if fp8:
+        q = q.to(torch.bfloat16)
+    ks = k_scale if fp8 else None
+    cfg = _small_config(device, swap_ab=True, reload_v=fp8)
+    out = mla_decode_paged(
+        q, cache, block_table, lens, C, 0.12, k_scale=ks, num_kv_splits=2, config=cfg
+    )
+    ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.12, k_scale=ks)
+    assert _rel_err(out, ref) < 2e-2
+
+
+def test_store_then_decode_fp8(device: torch.device) -> None:
+    """Rows stored through the FP8 store kernel decode like the unquantized rows (fp8 error)."""
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        [30, 66], 16, torch.float32, seed=9, device=device
+    )
+    k_scale = torch.tensor([kv[1:].abs().max().item() / 448.0], device=device)
+    pool = torch.zeros(kv.shape, dtype=torch.float8_e4m3fn, device=device)
+    loc = torch.arange(1, kv.shape[0], device=device)
+    store_mla_kv(pool, loc, kv[1:, 0], k_scale)
+    scale = (C + R) ** -0.5
+    out = mla_decode(q.bfloat16(), pool, req_to_token, rows, lens, C, scale, k_scale=k_scale)
+    ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale)
+    assert _rel_err(out, ref) < (6e-2 if out.is_cuda else 0.15)
+
+
+def test_choose_num_kv_splits() -> None:
+    assert choose_num_kv_splits(1, 16, 16384, sms=132) > 16
+    assert choose_num_kv_splits(128, 16, 4096, sms=132) <= 4
+    assert choose_num_kv_splits(1, 16, 10, sms=132) == 1
