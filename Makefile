@@ -8,9 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup model test lint serve clean
 
+# `make serve`: install, prepare the default model, start tritonserver (recipe in mk/serve.mk).
+serve: model
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# torch first, pinned, so no other package pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,serve]'
@@ -33,3 +35,5 @@ test: model lint
 
 clean:
 	rm -rf $(VENV) models
+
+include mk/serve.mk
