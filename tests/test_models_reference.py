@@ -10,6 +10,10 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.executor.model_runner import ModelRunner
 
+# The reference-precision path: float32 and the torch-native backend (the Triton kernels use TF32
+# dots on a GPU; tests/test_triton_backend.py holds them to the torch-native backend).
+REFERENCE = dict(dtype="float32", attention_backend="torch_native", max_total_tokens=256)
+
 CHAT_QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -34,7 +38,7 @@ def hf_default(default_model: str):
 
 
 def test_default_model_greedy_matches_transformers(default_model: str, hf_default) -> None:
-    llm = LLM(default_model, dtype="float32", max_total_tokens=8192, debug_checks=True)
+    llm = LLM(default_model, **{**REFERENCE, "max_total_tokens": 8192}, debug_checks=True)
     tok = llm.tokenizer
     prompts = [
         tok.apply_chat_template(
@@ -79,7 +83,7 @@ def test_mla_logits_match_transformers(tiny_mla, case: str) -> None:
     opts = dict(MLA_CASES[case])
     path = tiny_mla(opts.pop("arch"), moe=True, **opts)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=path, dtype="float32", max_total_tokens=256))
+    runner = ModelRunner(EngineConfig(model=path, **REFERENCE))
     prompt = [(7 * i + 3) % 1000 + 10 for i in range(23)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
@@ -103,7 +107,7 @@ def test_mla_logits_match_transformers(tiny_mla, case: str) -> None:
 def test_mla_absorbed_and_decompressed_paths_agree(tiny_mla, case: str) -> None:
     opts = dict(MLA_CASES[case])
     path = tiny_mla(opts.pop("arch"), moe=True, **opts)
-    runner = ModelRunner(EngineConfig(model=path, dtype="float32", max_total_tokens=256))
+    runner = ModelRunner(EngineConfig(model=path, **REFERENCE))
     prompt = list(range(100, 140))
     # A cached prefix of 25 tokens, then 15 new tokens, through each path.
     _run(runner, ForwardMode.EXTEND, prompt[:25], 0, all_logits=False)
@@ -113,7 +117,8 @@ def test_mla_absorbed_and_decompressed_paths_agree(tiny_mla, case: str) -> None:
     assert (absorbed - decompressed).abs().max().item() < PREFILL_ATOL
     # The stored latent rows are the same whichever path wrote them.
     pool = runner.kv_pool
-    assert pool.get_kv(0, torch.arange(1, 41, device=runner.device))[0].shape == (40, 1, 32 + 8)
+    row = runner.model_config.kv_cache_dim
+    assert pool.get_kv(0, torch.arange(1, 41, device=runner.device))[0].shape == (40, 1, row)
 
 
 def test_mla_pool_stores_latent_not_full_kv(tiny_mla) -> None:

@@ -24,7 +24,7 @@ def make_config(
     kv_lora_rank: int = 32,
     q_lora_rank: int | None = None,
     qk_nope_head_dim: int = 16,
-    qk_rope_head_dim: int = 8,
+    qk_rope_head_dim: int = 16,  # GPU tensor-core dots need K >= 16
     v_head_dim: int = 16,
     moe: bool = True,
     n_routed_experts: int = 8,
@@ -82,6 +82,34 @@ def make_config(
     return DeepseekV2Config(**kwargs)
 
 
+def make_llama_checkpoint(
+    out: Path, seed: int = 0, tokenizer_dir: Path | None = DEFAULT_TOKENIZER, **overrides: Any
+) -> Path:
+    """A random Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads) unless
+    overridden; for benchmarks where the real weights cannot travel."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shape: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**shape)).eval().save_pretrained(str(out))
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    return out
+
+
 def make_checkpoint(
     out: Path,
     arch: str = "v2",
@@ -116,7 +144,7 @@ def make_checkpoint(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--arch", choices=("v2", "v3"), default="v2")
+    p.add_argument("--arch", choices=("v2", "v3", "llama"), default="v2")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -130,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     a = p.parse_args(argv)
+    if a.arch == "llama":
+        make_llama_checkpoint(a.out, seed=a.seed, tokenizer_dir=a.tokenizer)
+        print(f"wrote {a.out}")
+        return 0
     make_checkpoint(
         a.out,
         arch=a.arch,
