@@ -94,9 +94,11 @@ class AsyncEngine:
         return self._stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (requests in flight end with "abort"), then the model's workers."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.core.shutdown()
 
     def _submit(self, fn: Callable[[], None]) -> None:
         self._inbox.put(fn)

@@ -193,6 +193,10 @@ class EngineCore:
         except Exception:  # a caller's bug must not stop the engine
             logger.exception("callback of request %s failed", req.rid)
 
+    def shutdown(self) -> None:
+        """Release the model runner's resources: stops tensor-parallel worker processes."""
+        self.runner.shutdown()
+
     def fail_all(self, error: str) -> None:
         """End every request with an error (the loop hit an exception it cannot recover from)."""
         for state in list(self.states.values()):

@@ -29,6 +29,11 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.core.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when the LLM is collected
+        or the process exits)."""
+        self.core.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -36,16 +37,19 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every stored tensor: `.get_shape()` reads no data, and indexing
+    (`s[:]`, `s[0:4, :]`) reads only what it selects, so each TP rank reads only its shard."""
     files = checkpoint_files(path)
     for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def load_weights(model: CausalLM, path: str | Path, num_layers: int) -> None:
-    """Copy every checkpoint tensor into its target, converting dtype on the way.
+    """Copy every checkpoint tensor into its target, converting dtype on the way. A target with
+    a shard spec gets only its slice of the tensor (tensor parallelism).
 
     Raises CheckpointError naming the first tensors that are unexpected, misshapen or missing.
     Layers at index >= num_layers (DeepSeek-V3's multi-token-prediction layer) are skipped.
@@ -68,12 +72,16 @@ def load_weights(model: CausalLM, path: str | Path, num_layers: int) -> None:
                 unexpected.append(stored_name)
                 continue
             dest = target.view()
-            if tuple(dest.shape) != tuple(tensor.shape):
+            shard = target.shard
+            # Under tensor parallelism `dest` is this rank's slice: check the full shape.
+            expected = tuple(dest.shape) if shard is None else shard.full_shape(tuple(dest.shape))
+            shape = tuple(tensor.get_shape())
+            if shape != expected:
                 raise CheckpointError(
-                    f"tensor {stored_name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
-                    f"the model expects {tuple(dest.shape)}"
+                    f"tensor {stored_name!r} has shape {shape} in the checkpoint, "
+                    f"the model expects {expected}"
                 )
-            dest.copy_(tensor)
+            dest.copy_(tensor[:] if shard is None else tensor[shard.index(len(shape))])
             seen.add(name)
     if unexpected:
         raise CheckpointError(

@@ -1,15 +1,23 @@
 """The model runner owns every device tensor: weights, the request-to-token table, the KV pool,
-the attention backend. It turns a tensor-free `ScheduledBatch` into a `ForwardBatch` and runs it."""
+the attention backend. It turns a tensor-free `ScheduledBatch` into a `ForwardBatch` and runs it.
+
+With `tp_size > 1` the runner built by the engine is rank 0 of a tensor-parallel group: it starts
+ranks 1..N-1 as worker processes (engine/distributed/workers.py), each with its own runner, and
+hands them every batch before running its own share; its logits are the full (all-gathered) ones.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.distributed.parallel_state import ParallelState
+from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 from engine.executor.loader import load_weights
 from engine.layers.attention.base import AttentionBackend
@@ -23,16 +31,34 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel `rank`: on CUDA the rank-th GPU from the configured one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    if rank and index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"tensor-parallel rank {rank} needs GPU {index}; {torch.cuda.device_count()} visible"
+        )
+    return torch.device("cuda", index) if rank or device.index is not None else device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
+    """Raise ConfigError now if `tp_size` ranks cannot share the model's heads."""
+    rank0 = ParallelState(0, tp_size)
+    if mc.is_mla:
+        rank0.shard(mc.num_attention_heads, "attention heads")
+    else:
+        rank0.shard(mc.num_key_value_heads, "KV heads")
 
 
 @contextlib.contextmanager
@@ -46,20 +72,48 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None) -> None:
+    """One rank's model, KV pool and request table.
+
+    `parallel` is given only to the runners of worker processes (ranks >= 1). Without it, a
+    config with tp_size > 1 makes this runner rank 0: it starts the workers, and `shutdown()`
+    (or garbage collection, or process exit) stops them.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        *,
+        parallel: ParallelState | None = None,
+    ) -> None:
         self.config = config
         self.model_config = model_config or ModelConfig.from_pretrained(config.model)
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, parallel.rank if parallel else 0)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.workers: TPWorkers | None = None
+        if parallel is None and config.tp_size > 1:
+            check_tp_split(self.model_config, config.tp_size)  # before starting any process
+            self.workers, parallel = start_tp_group(config, self.device)
+            weakref.finalize(self, self.workers.shutdown)
+        self.parallel = parallel or ParallelState()
+        try:
+            self._init_model_and_memory()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_model_and_memory(self) -> None:
+        config = self.config
         torch.manual_seed(config.seed)
         mc = self.model_config
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = build_model(mc)
+            self.model = build_model(mc, self.parallel)
         self.model.to(self.device)  # buffers made from CPU tensors (RoPE frequencies)
         load_weights(self.model, mc.path, mc.num_hidden_layers)
         self.model.eval()
 
-        self.max_total_tokens = self._kv_slots()
+        # Every rank's pool must have the same slots: the scheduler on rank 0 hands them out.
+        self.max_total_tokens = self.parallel.min_int(self._kv_slots(), self.device)
         self.max_context_len = min(
             config.max_context_len or mc.max_position_embeddings, self.max_total_tokens
         )
@@ -72,6 +126,14 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = make_attention_backend(
             config.attention_backend, self.kv_pool, self.device
         )
+        if self.workers is not None:
+            self.workers.wait("ready", READY_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (rank 0; a no-op otherwise). Idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+        self.parallel.close()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int) -> KVPool:
@@ -86,10 +148,12 @@ class ModelRunner:
                 self.device,
                 cfg.kv_cache_dtype,
             )
+        # Each rank stores only its KV heads (MLA's latent rows are whole on every rank).
+        kv_heads = self.parallel.shard(mc.num_key_value_heads, "KV heads")[1]
         return MHATokenToKVPool(
             size,
             mc.num_hidden_layers,
-            mc.num_key_value_heads,
+            kv_heads,
             mc.head_dim,
             mc.head_dim,
             self.dtype,
@@ -168,6 +232,8 @@ class ModelRunner:
         """Run the batch; return float32 logits of each request's last token [B, V], or of every
         input token [T, V] when `all_logits`."""
         assert batch.mode == ForwardMode.DECODE or batch.num_tokens > 0
+        if self.workers is not None:
+            self.workers.send(batch, all_logits)
         fb = self.prepare(batch)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if not all_logits:

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import ParallelState
+from engine.distributed.sharding import ShardSpec
+
 
 class TopkRouter(nn.Module):
     """Picks `top_k` experts per token and their weights.
@@ -71,14 +74,38 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked as w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I]."""
+    """Routed experts stacked as w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I].
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    Under tensor parallelism every rank holds every expert, but only its slice of each expert's
+    intermediate dim (TP-MoE): I is this rank's share, and the output is a partial sum that the
+    caller all-reduces (once, together with the shared experts).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelState | None = None,
+    ) -> None:
         super().__init__()
+        parallel = parallel or ParallelState()
+        start, size = parallel.shard(intermediate_size, "MoE intermediate features")
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_start = start
+        self.intermediate_size = size  # this rank's
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size))
+
+    def shard_specs(self) -> tuple[ShardSpec, ShardSpec]:
+        """This rank's slice of one expert's checkpoint gate/up [I, H] and down [H, I]."""
+        start, size, full = (
+            self.intermediate_start,
+            self.intermediate_size,
+            self.full_intermediate_size,
+        )
+        return ShardSpec(0, start, size, full), ShardSpec(1, start, size, full)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

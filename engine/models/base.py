@@ -7,15 +7,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.distributed.sharding import ShardSpec
 from engine.executor.forward_batch import ForwardBatch
+from engine.layers.linear import ShardedModule
 
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: `param[index]` (index None: the whole parameter)."""
+    """Where one checkpoint tensor goes: `param[index]` (index None: the whole parameter).
+
+    `shard`, under tensor parallelism: only this slice of the checkpoint tensor is loaded (the
+    checkpoint holds the full tensor; the destination holds this rank's part).
+    """
 
     param: torch.Tensor
     index: tuple[int | slice, ...] | None = None
+    shard: ShardSpec | None = None
 
     def view(self) -> torch.Tensor:
         return self.param if self.index is None else self.param[self.index]
@@ -50,9 +57,15 @@ class CausalLM(nn.Module):
 
 
 def default_targets(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, WeightTarget]:
-    """Checkpoint names equal to parameter names (the common case), minus `skip` substrings."""
+    """Checkpoint names equal to parameter names (the common case), minus `skip` substrings.
+    Parameters of sharded modules (parallel linears) carry their module's shard spec."""
+    shards: dict[str, ShardSpec] = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, ShardedModule):
+            for pname, spec in sub.shard_specs().items():
+                shards[f"{prefix}.{pname}" if prefix else pname] = spec
     targets: dict[str, WeightTarget] = {}
     for name, param in module.named_parameters():
         if not any(s in name for s in skip):
-            targets[name] = WeightTarget(param.data)
+            targets[name] = WeightTarget(param.data, shard=shards.get(name))
     return targets

@@ -7,6 +7,12 @@ RoPE key k_pe (qk_rope_head_dim). Two attention paths read it:
 - absorbed (decode): fold W_UK into the query (q_nope @ W_UK -> latent space) so every head attends
   to the latent rows directly (multi-query attention, one KV head of width kv_lora_rank + rope),
   then apply W_UV to the attention output. No per-head K or V is ever materialised.
+
+Tensor parallelism (as in SGLang): the attention heads are split across ranks (q_proj / q_b_proj
+and kv_b_proj column-parallel by heads, so W_UK and W_UV are split too; o_proj row-parallel);
+kv_a_proj_with_mqa, q_a_proj and the norms are replicated, so every rank computes and stores the
+same full latent rows. MoE experts are split along their intermediate dim (TP-MoE), the router is
+replicated, and one all-reduce sums routed plus shared experts.
 """
 
 from __future__ import annotations
@@ -18,8 +24,15 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.parallel_state import ParallelState
 from engine.executor.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.layers.moe import Experts, TopkRouter
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -42,11 +55,14 @@ def mla_softmax_scale(hf: Any, qk_head_dim: int) -> float:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
+    ) -> None:
         super().__init__()
         hf = config.hf_config
         self.layer_id = layer_id
-        self.num_heads = h = config.num_attention_heads
+        heads = config.num_attention_heads
+        self.num_heads = h = parallel.shard(heads, "attention heads")[1]  # this rank's
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = r = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -55,16 +71,23 @@ class MLAAttention(nn.Module):
         qk_head_dim = config.head_dim
         bias = bool(getattr(hf, "attention_bias", False))
         hidden = config.hidden_size
+        what = "attention heads"
+        q_out = heads * qk_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, h * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, q_out, parallel, False, qk_head_dim, what)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, q_out, parallel, False, qk_head_dim, what
+            )
         self.kv_a_proj_with_mqa = nn.Linear(hidden, r + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(r)
-        self.kv_b_proj = nn.Linear(r, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bias)
+        kv_unit = self.qk_nope_head_dim + self.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(r, heads * kv_unit, parallel, False, kv_unit, what)
+        self.o_proj = RowParallelLinear(
+            heads * self.v_head_dim, hidden, parallel, bias, unit=self.v_head_dim, what=what
+        )
         self.rotary = [rotary]
         scaling = mla_softmax_scale(hf, qk_head_dim)
         self.attn_mha = AttentionLayer(layer_id, h, h, qk_head_dim, self.v_head_dim, scaling)
@@ -124,23 +147,28 @@ class MLAAttention(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
         hf = config.hf_config
         num_experts = _num_routed_experts(hf)
         inter = hf.moe_intermediate_size
         is_v3 = config.architecture == "DeepseekV3ForCausalLM"
+        self.parallel = parallel
         self.gate = TopkRouter(hf, config.hidden_size, num_experts, is_v3)
-        self.experts = Experts(num_experts, config.hidden_size, inter)
+        self.experts = Experts(num_experts, config.hidden_size, inter, parallel)
         n_shared = getattr(hf, "n_shared_experts", None) or 0
-        self.shared_experts = LlamaMLP(config.hidden_size, inter * n_shared) if n_shared else None
+        self.shared_experts = (
+            LlamaMLP(config.hidden_size, inter * n_shared, parallel, reduce_results=False)
+            if n_shared
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)  # this rank's partial sum
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.parallel.all_reduce(out)
 
 
 def _num_routed_experts(hf: Any) -> int:
@@ -152,13 +180,17 @@ def _num_routed_experts(hf: Any) -> int:
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
+    ) -> None:
         super().__init__()
         hf = config.hf_config
-        self.self_attn = MLAAttention(config, layer_id, rotary)
+        self.self_attn = MLAAttention(config, layer_id, rotary, parallel)
         is_moe = _is_moe(hf) and layer_id >= (getattr(hf, "first_k_dense_replace", 0) or 0)
         self.mlp: nn.Module = (
-            DeepseekMoE(config) if is_moe else LlamaMLP(config.hidden_size, hf.intermediate_size)
+            DeepseekMoE(config, parallel)
+            if is_moe
+            else LlamaMLP(config.hidden_size, hf.intermediate_size, parallel)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -176,16 +208,16 @@ def _is_moe(hf: Any) -> bool:
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
         hf = config.hf_config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         interleaved = config.architecture == "DeepseekV2ForCausalLM" or bool(
             getattr(hf, "rope_interleave", True)
         )
         self.rotary_emb = RotaryEmbedding(hf, config.qk_rope_head_dim, interleaved=interleaved)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, self.rotary_emb)
+            DeepseekDecoderLayer(config, i, self.rotary_emb, parallel)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -200,11 +232,12 @@ class DeepseekV2Model(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelState()
         self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DeepseekV2Model(config, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
     def forward(self, input_ids, positions, fb):
         return self.model(input_ids, positions, fb)
@@ -218,13 +251,15 @@ class DeepseekV2ForCausalLM(CausalLM):
             if not isinstance(layer.mlp, DeepseekMoE):
                 continue
             experts = layer.mlp.experts
-            inter = experts.intermediate_size
+            inter = experts.intermediate_size  # this rank's
+            rows, cols = experts.shard_specs()  # of gate/up [I, H] and of down [H, I]
             for e in range(experts.num_experts):
                 prefix = f"model.layers.{i}.mlp.experts.{e}."
                 w13, w2 = experts.w13_weight.data, experts.w2_weight.data
-                targets[prefix + "gate_proj.weight"] = WeightTarget(w13, (e, slice(0, inter)))
-                targets[prefix + "up_proj.weight"] = WeightTarget(w13, (e, slice(inter, None)))
-                targets[prefix + "down_proj.weight"] = WeightTarget(w2, (e,))
+                gate, up = (e, slice(0, inter)), (e, slice(inter, None))
+                targets[prefix + "gate_proj.weight"] = WeightTarget(w13, gate, rows)
+                targets[prefix + "up_proj.weight"] = WeightTarget(w13, up, rows)
+                targets[prefix + "down_proj.weight"] = WeightTarget(w2, (e,), cols)
         return targets
 
     def tied_weights(self) -> dict[str, str]:

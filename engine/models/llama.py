@@ -1,4 +1,9 @@
-"""Llama (and Qwen2: bias on q/k/v) with grouped-query attention over the MHA KV pool."""
+"""Llama (and Qwen2: bias on q/k/v) with grouped-query attention over the MHA KV pool.
+
+Tensor parallelism splits the KV heads across ranks, each taking its KV heads' groups of query
+heads (uneven splits allowed: 3 KV heads over 2 ranks are 2 + 1); q/k/v and gate/up are
+column-parallel, o_proj and down_proj row-parallel, the embedding and LM head vocab-parallel.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +12,73 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.parallel_state import ParallelState
 from engine.executor.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import CausalLM, WeightTarget, default_targets
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """SiLU-gated MLP, intermediate features split across ranks. `reduce_results=False` leaves
+    the output a per-rank partial sum (DeepSeek's shared experts: one all-reduce for the MoE)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelState,
+        bias: bool = False,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        what = "MLP intermediate features"
+        self.gate_proj = ColumnParallelLinear(
+            hidden_size, intermediate_size, parallel, bias, what=what
+        )
+        self.up_proj = ColumnParallelLinear(
+            hidden_size, intermediate_size, parallel, bias, what=what
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, parallel, bias, reduce_results=reduce_results, what=what
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
+    ) -> None:
         super().__init__()
         hf = config.hf_config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        d = self.head_dim = config.head_dim
+        kv_heads = config.num_key_value_heads
+        group = config.num_attention_heads // kv_heads  # query heads per KV head
+        # This rank's KV heads, and their groups of query heads.
+        self.num_kv_heads = parallel.shard(kv_heads, "KV heads")[1]
+        self.num_heads = self.num_kv_heads * group
         qkv_bias = bool(
             getattr(hf, "attention_bias", False) or config.architecture == "Qwen2ForCausalLM"
         )
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        h, what = config.hidden_size, "KV heads"
+        self.q_proj = ColumnParallelLinear(
+            h, kv_heads * group * d, parallel, qkv_bias, group * d, what
+        )
+        self.k_proj = ColumnParallelLinear(h, kv_heads * d, parallel, qkv_bias, d, what)
+        self.v_proj = ColumnParallelLinear(h, kv_heads * d, parallel, qkv_bias, d, what)
         o_bias = bool(getattr(hf, "attention_bias", False))
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            kv_heads * group * d, h, parallel, o_bias, unit=group * d, what=what
+        )
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
         self.attn = AttentionLayer(
             layer_id,
@@ -62,12 +100,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
+    ) -> None:
         super().__init__()
         hf = config.hf_config
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, parallel)
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, hf.intermediate_size, bias=mlp_bias)
+        self.mlp = LlamaMLP(config.hidden_size, hf.intermediate_size, parallel, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -77,12 +117,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.rotary_emb = RotaryEmbedding(config.hf_config, config.head_dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary_emb, parallel)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,11 +137,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelState()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
     def forward(self, input_ids, positions, fb):
         return self.model(input_ids, positions, fb)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 from engine.models.base import CausalLM
 
+if TYPE_CHECKING:
+    from engine.distributed.parallel_state import ParallelState
+
 
 def model_class(architecture: str) -> type[CausalLM]:
+    """The class for `architecture`; it is built as `cls(model_config, parallel_state)`."""
     from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
     from engine.models.llama import LlamaForCausalLM
 
@@ -24,5 +30,6 @@ def model_class(architecture: str) -> type[CausalLM]:
     return classes[architecture]
 
 
-def build_model(config: ModelConfig) -> CausalLM:
-    return model_class(config.architecture)(config)
+def build_model(config: ModelConfig, parallel: ParallelState | None = None) -> CausalLM:
+    """The model for this rank (`parallel`: its tensor-parallel group; None for one device)."""
+    return model_class(config.architecture)(config, parallel)  # type: ignore[call-arg]
