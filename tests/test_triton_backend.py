@@ -5,11 +5,9 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes s
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
@@ -20,29 +18,21 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.tools.make_random_checkpoint import make_llama_checkpoint
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+    out = tmp_path_factory.mktemp("llama")
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512
+    )
+    make_llama_checkpoint(
+        out,
+        tokenizer_dir=Path(default_tokenizer),
+        weight_scale=0.08,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
+        tie_word_embeddings=False,
+        **shape,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    out = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(default_tokenizer) / name, out / name)
     return str(out)
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.config import ModelConfig
+from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
 from engine.executor.forward_batch import ForwardBatch
-from engine.layers.linear import ShardedModule
+from engine.layers.linear import ParallelLMHead, ShardedModule, VocabParallelEmbedding
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -69,3 +74,62 @@ def default_targets(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, 
         if not any(s in name for s in skip):
             targets[name] = WeightTarget(param.data, shard=shards.get(name))
     return targets
+
+
+class DecoderModel(nn.Module):
+    """The body every model here shares: embedding, decoder layers, final norm.
+
+    `make_layer(i)` builds layer i; each layer is called as `layer(positions, x, fb)`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelState,
+        rotary: RotaryEmbedding,
+        make_layer: Callable[[int], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, fb)
+        return self.norm(x)
+
+
+class DecoderOnlyLM(CausalLM):
+    """`model` (a DecoderModel) plus a vocab-parallel LM head, tied to the embedding when the
+    checkpoint says so. Checkpoint names are the module names (model.layers.N..., lm_head)."""
+
+    def __init__(self, config: ModelConfig, model: DecoderModel, parallel: ParallelState) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        return default_targets(self)
+
+    def tied_weights(self) -> dict[str, str]:
+        if self.config.tie_word_embeddings:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    def post_load(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

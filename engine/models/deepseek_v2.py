@@ -29,14 +29,12 @@ from engine.executor.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 from engine.layers.moe import Experts, TopkRouter
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import CausalLM, WeightTarget, default_targets
+from engine.models.base import DecoderModel, DecoderOnlyLM, WeightTarget, default_targets
 from engine.models.llama import LlamaMLP
 
 
@@ -207,43 +205,18 @@ def _is_moe(hf: Any) -> bool:
         return False
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
-        super().__init__()
+class DeepseekV2ForCausalLM(DecoderOnlyLM):
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
+        parallel = parallel or ParallelState()
         hf = config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         interleaved = config.architecture == "DeepseekV2ForCausalLM" or bool(
             getattr(hf, "rope_interleave", True)
         )
-        self.rotary_emb = RotaryEmbedding(hf, config.qk_rope_head_dim, interleaved=interleaved)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, self.rotary_emb, parallel)
-            for i in range(config.num_hidden_layers)
+        rotary = RotaryEmbedding(hf, config.qk_rope_head_dim, interleaved=interleaved)
+        model = DecoderModel(
+            config, parallel, rotary, lambda i: DeepseekDecoderLayer(config, i, rotary, parallel)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, fb)
-        return self.norm(x)
-
-
-class DeepseekV2ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
-        super().__init__()
-        parallel = parallel or ParallelState()
-        self.config = config
-        self.model = DeepseekV2Model(config, parallel)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
-
-    def forward(self, input_ids, positions, fb):
-        return self.model(input_ids, positions, fb)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        super().__init__(config, model, parallel)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         targets = default_targets(self, skip=("experts.w13_weight", "experts.w2_weight"))
@@ -262,14 +235,8 @@ class DeepseekV2ForCausalLM(CausalLM):
                 targets[prefix + "down_proj.weight"] = WeightTarget(w2, (e,), cols)
         return targets
 
-    def tied_weights(self) -> dict[str, str]:
-        if self.config.tie_word_embeddings:
-            return {"lm_head.weight": "model.embed_tokens.weight"}
-        return {}
-
     def post_load(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().post_load()
         for attn in self.mla_layers():
             attn.post_load()
 

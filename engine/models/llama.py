@@ -17,13 +17,11 @@ from engine.executor.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import CausalLM, WeightTarget, default_targets
+from engine.models.base import DecoderModel, DecoderOnlyLM
 
 
 class LlamaMLP(nn.Module):
@@ -116,51 +114,14 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.rotary_emb = RotaryEmbedding(config.hf_config, config.head_dim)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, parallel)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, fb)
-        return self.norm(x)
-
-
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(DecoderOnlyLM):
     def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
-        super().__init__()
         parallel = parallel or ParallelState()
-        self.config = config
-        self.model = LlamaModel(config, parallel)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
-
-    def forward(self, input_ids, positions, fb):
-        return self.model(input_ids, positions, fb)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def weight_targets(self) -> dict[str, WeightTarget]:
-        return default_targets(self)
-
-    def tied_weights(self) -> dict[str, str]:
-        if self.config.tie_word_embeddings:
-            return {"lm_head.weight": "model.embed_tokens.weight"}
-        return {}
-
-    def post_load(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        rotary = RotaryEmbedding(config.hf_config, config.head_dim)
+        model = DecoderModel(
+            config, parallel, rotary, lambda i: LlamaDecoderLayer(config, i, rotary, parallel)
+        )
+        super().__init__(config, model, parallel)
 
 
 Qwen2ForCausalLM = LlamaForCausalLM

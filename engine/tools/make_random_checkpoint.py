@@ -83,10 +83,15 @@ def make_config(
 
 
 def make_llama_checkpoint(
-    out: Path, seed: int = 0, tokenizer_dir: Path | None = DEFAULT_TOKENIZER, **overrides: Any
+    out: Path,
+    seed: int = 0,
+    tokenizer_dir: Path | None = DEFAULT_TOKENIZER,
+    weight_scale: float | None = None,
+    **overrides: Any,
 ) -> Path:
     """A random Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads) unless
-    overridden; for benchmarks where the real weights cannot travel."""
+    overridden; for benchmarks where the real weights cannot travel, and for tests.
+    `weight_scale`: std of the matrices (None: transformers' own initialisation)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     shape: dict[str, Any] = dict(
@@ -104,7 +109,13 @@ def make_llama_checkpoint(
     )
     shape.update(overrides)
     torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**shape)).eval().save_pretrained(str(out))
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    if weight_scale is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, weight_scale)
+    model.save_pretrained(str(out))
     if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     return out
