@@ -74,3 +74,18 @@ def test_triton_backend_matches_torch_native(
     # 1e-2 (logits reach ~5): on a GPU the kernels' float32 dots run in TF32 (seen: 5.6e-3 on
     # the H200); under the CPU interpreter the difference is below 1e-4.
     assert (logits[0] - logits[1]).abs().max().item() < 1e-2
+
+
+def test_fused_moe_kernel_in_the_model_matches_the_expert_loop(tiny_mla) -> None:
+    from engine.layers.moe import Experts
+
+    model = tiny_mla("v3", moe=True, q_lora_rank=24)
+    outs = []
+    for kernel in ("native", "triton"):
+        llm = LLM(model, dtype="float32", max_total_tokens=256, attention_backend="torch_native")
+        experts = [m for m in llm.core.runner.model.modules() if isinstance(m, Experts)]
+        assert experts
+        for m in experts:
+            m.kernel = kernel
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, PARAMS)])
+    assert outs[0] == outs[1]
