@@ -169,9 +169,9 @@ class EngineCore:
         else:
             self._emit(state, delta)
 
-    def _finish(self, state: _ReqState, reason: str) -> None:
+    def _finish(self, state: _ReqState, reason: str, keep_kv: bool = True) -> None:
         req = state.req
-        self.scheduler.finish(req, reason)
+        self.scheduler.finish(req, reason, keep_kv)
         del self.states[req.rid]
         self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
         delta = state.pending or RequestOutput(request_id=req.rid)
@@ -201,7 +201,7 @@ class EngineCore:
         """End every request with an error (the loop hit an exception it cannot recover from)."""
         for state in list(self.states.values()):
             state.pending = RequestOutput(request_id=state.req.rid, error=error)
-            self._finish(state, "abort")
+            self._finish(state, "abort", keep_kv=False)
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -238,3 +238,41 @@ def test_min_tokens_holds_back_eos(default_model: str) -> None:
     assert len(longer[0].token_ids) >= 12
     eos = set(llm.core.eos_token_ids)
     assert not eos & set(longer[0].token_ids[:11])
+
+
+def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla) -> None:
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    engine = AsyncEngine(EngineConfig(model=model, dtype="float32", max_total_tokens=256))
+    runner = engine.core.runner
+    real_forward = runner.forward
+    calls = {"n": 0}
+
+    def flaky_forward(batch, all_logits=False):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_forward(batch, all_logits)
+
+    runner.forward = flaky_forward  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def collect(rid: str, prompt: list[int]) -> list:
+        return [d async for d in engine.generate(prompt, params, rid)]
+
+    try:
+        failed = asyncio.run(collect("boom", [400, 401, 402]))
+        assert failed[-1].finished and failed[-1].finish_reason == "abort"
+        assert "injected failure" in (failed[-1].error or "")
+        produced = [t for d in failed for t in d.token_ids]
+        assert len(produced) == 2  # the prefill's token and one decode step's
+        # A prompt that runs through the failed step's token: its KV was never written, so the
+        # prefix cache must not offer it.
+        prompt = [400, 401, 402] + produced + [403]
+        ok = asyncio.run(collect("after", prompt))
+        assert ok[-1].finish_reason == "length"
+        fresh = LLM(model, dtype="float32", max_total_tokens=256).generate([prompt], params)[0]
+        assert [t for d in ok for t in d.token_ids] == fresh.token_ids
+        engine.core.scheduler.check_integrity()
+        assert engine.core.scheduler.in_use_slots() == 0
+    finally:
+        engine.shutdown()

@@ -253,14 +253,17 @@ class Scheduler:
             req.kv_slots = match.slots + req.kv_slots[len(match.slots) :]
             req.last_node = match.last_node
 
-    def finish(self, req: Req, reason: str) -> None:
-        """End a request (stop, length or abort): cache its KV, release its row and lock."""
+    def finish(self, req: Req, reason: str, keep_kv: bool = True) -> None:
+        """End a request (stop, length or abort): cache its KV, release its row and lock.
+
+        `keep_kv=False` after a failed forward: the last batch's KV was never written, so the
+        request's own slots are freed instead of entering the prefix cache."""
         if req.finished:
             return
         if req.status == ReqStatus.WAITING:
             self.waiting.remove(req)
         else:
-            self._release(req)
+            self._release(req, keep_kv)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
 
@@ -272,10 +275,16 @@ class Scheduler:
         self.counters.retractions += 1
         self.waiting.insert(0, req)
 
-    def _release(self, req: Req) -> None:
-        """Hand an admitted request's computed KV to the tree (unlocked) and free its row."""
-        computed = req.all_ids[: req.num_computed]
-        self.tree.cache_finished(computed, req.kv_slots, req.last_node)
+    def _release(self, req: Req, keep_kv: bool = True) -> None:
+        """Hand an admitted request's computed KV to the tree (unlocked), or free the slots it
+        owns when `keep_kv` is False; free its row."""
+        if keep_kv:
+            computed = req.all_ids[: req.num_computed]
+            self.tree.cache_finished(computed, req.kv_slots, req.last_node)
+        else:
+            assert req.last_node is not None
+            self.allocator.free(req.kv_slots[self._tree_owned(req) :])
+            self.tree.dec_lock_ref(req.last_node)
         self._release_row(req)
         (self.running if req.status == ReqStatus.DECODE else self.prefilling).remove(req)
         req.kv_slots = []
@@ -290,15 +299,17 @@ class Scheduler:
     def active(self) -> Iterable[Req]:
         return itertools.chain(self.prefilling, self.running)
 
+    def _tree_owned(self, req: Req) -> int:
+        """How many of the request's leading slots belong to the tree (its locked prefix)."""
+        owned, node = 0, req.last_node
+        while node is not None and node is not self.tree.root:
+            owned += len(node.key)
+            node = node.parent
+        return owned
+
     def in_use_slots(self) -> int:
         """Slots owned by requests, not by the tree."""
-        tree_owned = 0
-        for req in self.active():
-            node = req.last_node
-            while node is not None and node is not self.tree.root:
-                tree_owned += len(node.key)
-                node = node.parent
-        return sum(len(r.kv_slots) for r in self.active()) - tree_owned
+        return sum(len(r.kv_slots) - self._tree_owned(r) for r in self.active())
 
     def check_integrity(self) -> None:
         """free + cached + in use == total (raises AssertionError naming the numbers)."""
