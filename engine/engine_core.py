@@ -58,7 +58,7 @@ class EngineCore:
     # ---- inputs ------------------------------------------------------------------------------
     @property
     def max_context_len(self) -> int:
-        return min(self.runner.max_context_len, self.runner.max_total_tokens)
+        return self.runner.max_context_len  # already capped at the KV pool's size
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text is encoded as `tokenizer(text)` would), validated."""
