@@ -250,64 +250,72 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
     return header + "\n" + "\n".join(rows)
 
 
-F, T = False, True
 M = MLADecodeConfig
+# Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens).
 TUNE = {
     (16, "ours_bf16"): [
-        M(16, 64, 4, 3, T, F, F),
-        M(16, 64, 4, 3, T, F, T),
-        M(16, 64, 4, 2, T, F, T),
-        M(16, 64, 8, 3, T, F, T),
+        M(16, 64, 4, 3),
+        M(16, 64, 4, 2),
+        M(16, 64, 4, 4),
+        M(16, 32, 4, 4),
+        M(16, 64, 8, 3),
     ],
     (16, "ours_fp8"): [
-        M(16, 64, 8, 3, T, T, F),
-        M(16, 64, 4, 3, T, T, T),
-        M(16, 64, 4, 3, T, F, T),
-        M(16, 64, 4, 4, T, T, T),
-        M(16, 64, 4, 2, T, T, T),
+        M(16, 64, 4, 3),
+        M(16, 64, 4, 2),
+        M(16, 64, 8, 3),
     ],
     (128, "ours_bf16"): [
-        M(64, 64, 8, 2, T, F, F),
-        M(32, 64, 4, 2, T, F, T),
-        M(32, 64, 4, 3, T, F, T),
-        M(64, 64, 8, 2, T, F, T),
-        M(16, 64, 4, 3, T, F, T),
+        M(64, 64, 8, 2),
+        M(64, 64, 8, 1),
     ],
     (128, "ours_fp8"): [
-        M(64, 64, 8, 1, F, T, F),
-        M(32, 64, 4, 3, T, T, T),
-        M(16, 64, 4, 3, T, T, T),
+        M(64, 64, 8, 2),
+        M(64, 64, 8, 1),
     ],
 }
 
 
-def split_candidates(
-    batch: int, heads: int, ctx: int, cfg: MLADecodeConfig, wide: bool
-) -> list[int]:
-    base = choose_num_kv_splits(batch, heads, ctx, cfg.block_h, cfg.block_n)
-    if not wide:
-        return sorted({max(1, base // 2), base, base * 2})
-    groups = batch * math.ceil(heads / cfg.block_h)
-    cands = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128]
-    return [c for c in cands if 64 <= groups * c <= 1100 and c <= max(1, ctx // 128)] or [base]
+def _cfg_key(cfg: MLADecodeConfig) -> tuple[int, ...]:
+    return tuple(int(v) for v in cfg[:4])
+
+
+def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:
+    """Split counts around the default pick, plus one split (no merge)."""
+    base = choose_num_kv_splits(
+        batch, heads, ctx, cfg.block_h, cfg.block_n, waves=cfg.waves,
+        min_tokens_per_split=cfg.min_split_tokens,
+    )  # fmt: skip
+    most = max(1, ctx // 128)
+    cands = {1, max(1, base // 2), base, base * 2, max(1, base * 3 // 2)}
+    return sorted(c for c in cands if c <= most)
 
 
 def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
     """Sweep tile configs and split counts (paged bf16 and fp8); print the best per point."""
     scale = (C + R) ** -0.5
-    for heads, ctxs in ((16, (4096, 16384)), (128, (4096,))):
+    for heads, ctxs in ((16, tuple(args.contexts)), (128, (4096,))):
         if heads not in args.heads:
             continue
         for batch in args.batches:
             for ctx in ctxs:
                 p = MLAPoint(batch, ctx)
                 q = p.q(heads)
-                fm = {k: time_graph(f, args.calls, 3) for k, f in flashmla_fns(p, q, scale).items()}
-                for kind in ("ours_bf16", "ours_fp8"):
+                fms = flashmla_fns(p, q, scale)
+                fm = {k: time_graph(f, args.calls, 3) for k, f in fms.items()}
+                ref_out = _out(fms["fm_bf16"]()) if fms else None
+                for kind in args.kinds:
                     results = []
+                    errs: dict[tuple[int, ...], float] = {}
                     for cfg in TUNE[(heads, kind)]:
-                        wide = False
-                        for splits in split_candidates(batch, heads, ctx, cfg, wide):
+                        try:
+                            out = ours_fns(p, q, scale, cfg, 2)[kind]()
+                        except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
+                            print(f"  skip {cfg}: {type(e).__name__}", flush=True)
+                            continue
+                        if ref_out is not None:
+                            errs[_cfg_key(cfg)] = rel_err(out, ref_out)
+                        for splits in split_candidates(batch, heads, ctx, cfg):
                             fn = ours_fns(p, q, scale, cfg, splits)[kind]
                             try:
                                 t = time_graph(fn, args.calls, 3)
@@ -329,7 +337,8 @@ def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
                     results.sort(key=lambda x: x[0])
                     ref = fm.get("fm_bf16", float("nan"))
                     top = ", ".join(
-                        f"{t * 1e6:.1f}us {tuple(int(v) for v in c[:7])} s={s}"
+                        f"{t * 1e6:.1f}us {_cfg_key(c)} s={s} "
+                        f"err={errs.get(_cfg_key(c), float('nan')):.1e}"
                         for t, c, s in results[:4]
                     )
                     print(f"TUNE h={heads} b={batch} ctx={ctx} {kind}: fm_bf16={ref * 1e6:.1f}us "
@@ -398,6 +407,7 @@ def main() -> None:
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
+    ap.add_argument("--kinds", nargs="+", default=["ours_bf16", "ours_fp8"], help="for --tune")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")

@@ -32,16 +32,21 @@ class MoEConfig(NamedTuple):
     num_stages: int
 
 
-def default_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
-    """Tiles by load: few (token, expert) pairs per expert -> small BLOCK_M (decode)."""
+def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> MoEConfig:
+    """Tiles by load: few (token, expert) pairs per expert -> small BLOCK_M (decode).
+
+    The tiles are sized for 16-bit weights; fp32 halves BLOCK_K to stay in shared memory.
+    """
     if is_interpreter():
         return MoEConfig(16, 32, 32, 4, 1)
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 16:
-        return MoEConfig(16, 64, 128, 4, 4)
-    if per_expert <= 64:
-        return MoEConfig(32, 64, 128, 4, 4)
-    return MoEConfig(64, 128, 64, 8, 3)
+        cfg = MoEConfig(16, 64, 128, 4, 4)
+    elif per_expert <= 64:
+        cfg = MoEConfig(32, 64, 128, 4, 4)
+    else:
+        cfg = MoEConfig(64, 128, 64, 8, 3)
+    return cfg._replace(block_k=cfg.block_k * 2 // max(elem_bytes, 2))
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -162,7 +167,7 @@ def fused_moe(
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    cfg = config or default_moe_config(num_tokens * top_k, num_experts)
+    cfg = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
     align = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))

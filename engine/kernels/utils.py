@@ -31,8 +31,16 @@ INTERPRET_UPCAST = is_interpreter()
 
 @triton.jit
 def dot(a, b, UPCAST: tl.constexpr):
-    """tl.dot with fp32 accumulation; upcasts the operands when UPCAST (interpreter only)."""
+    """tl.dot with fp32 accumulation; upcasts the operands when UPCAST (interpreter only).
+
+    fp32 operands are multiplied in full precision (not TF32): fp32 models are what the
+    correctness tests compare against transformers.
+    """
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b)
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
