@@ -1,7 +1,8 @@
 """Offline throughput: our engine with N concurrent requests vs transformers one request at a time.
 
 Both run the same prompts with greedy decoding and a fixed number of new tokens (ignore EOS), on
-the same device, in the same process, so the ratio is a like-for-like comparison.
+the same device, in the same process, so the ratio is a like-for-like comparison. On a GPU the
+engine also runs a second time with CUDA graphs off (its eager path), for their ratio.
 
     .venv/bin/python perf/bench_offline.py --model models/smollm2-135m-instruct --requests 16
 """
@@ -40,6 +41,14 @@ def make_prompts(tokenizer, n: int) -> list[str]:
     return prompts
 
 
+def run_engine(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    """Tokens per second of one `generate` over all prompts, after a short warm-up."""
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -53,15 +62,19 @@ def main() -> None:
     device, dtype = llm.core.runner.device, llm.core.runner.dtype
     prompts = make_prompts(llm.tokenizer, args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    ours_s = time.perf_counter() - t0
-    ours_tokens = sum(len(o.token_ids) for o in outs)
+    ours_tok_s = run_engine(llm, prompts, params)
+    graphs = llm.core.runner.graph_runner is not None
+    tok = llm.tokenizer
+    llm.shutdown()
+    eager_tok_s = None
+    if graphs:
+        del llm
+        torch.cuda.empty_cache()
+        eager = LLM(args.model, device=args.device, max_total_tokens=16384, enable_cuda_graph=False)
+        eager_tok_s = run_engine(eager, prompts, params)
+        eager.shutdown()
 
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    tok = llm.tokenizer
     hf_tokens = 0
     t0 = time.perf_counter()
     for prompt in tqdm(prompts, desc="transformers, one by one"):
@@ -82,14 +95,22 @@ def main() -> None:
         "dtype": str(dtype),
         "requests": args.requests,
         "max_tokens": args.max_tokens,
-        "ours_tok_s": ours_tokens / ours_s,
+        "cuda_graphs": graphs,
+        "ours_tok_s": ours_tok_s,
+        "ours_eager_tok_s": eager_tok_s,
         "transformers_tok_s": hf_tokens / hf_s,
-        "ratio": (ours_tokens / ours_s) / (hf_tokens / hf_s),
+        "ratio": ours_tok_s / (hf_tokens / hf_s),
     }
+    eager_txt = (
+        f"ours eager {eager_tok_s:.1f} tok/s ({ours_tok_s / eager_tok_s:.2f}x) | "
+        if eager_tok_s
+        else ""
+    )
     print(
         f"| {args.requests} requests x {args.max_tokens} tokens | {device} {dtype} | "
-        f"ours {result['ours_tok_s']:.1f} tok/s | transformers sequential "
-        f"{result['transformers_tok_s']:.1f} tok/s | ratio {result['ratio']:.2f}x |"
+        f"ours {ours_tok_s:.1f} tok/s{' (CUDA graphs)' if graphs else ''} | {eager_txt}"
+        f"transformers sequential {result['transformers_tok_s']:.1f} tok/s | "
+        f"ratio {result['ratio']:.2f}x |"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -70,3 +70,26 @@ def tiny_mla(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str) -> str:
+    """A small random Llama checkpoint (4 query heads, 2 KV heads) with the default tokenizer."""
+    from pathlib import Path
+
+    from engine.tools.make_random_checkpoint import make_llama_checkpoint
+
+    out = tmp_path_factory.mktemp("llama")
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512
+    )
+    make_llama_checkpoint(
+        out,
+        tokenizer_dir=Path(default_tokenizer),
+        weight_scale=0.08,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        **shape,
+    )
+    return str(out)

@@ -18,10 +18,12 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
+from engine.executor.cuda_graph_runner import CudaGraphRunner
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 from engine.executor.loader import load_weights
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
+from engine.layers.attention.triton_backend import TritonBackend
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
 
@@ -126,6 +128,11 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = make_attention_backend(
             config.attention_backend, self.kv_pool, self.device
         )
+        self.graph_runner: CudaGraphRunner | None = None
+        if self._use_cuda_graph():
+            self.graph_runner = CudaGraphRunner(
+                self, min(config.cuda_graph_max_bs, self.max_running_requests)
+            )
         if self.workers is not None:
             self.workers.wait("ready", READY_TIMEOUT_S)
 
@@ -160,6 +167,23 @@ class ModelRunner:
             self.device,
             cfg.kv_cache_dtype,
         )
+
+    def _use_cuda_graph(self) -> bool:
+        """Graphs need CUDA and the Triton backend (the torch-native one syncs with the host).
+
+        NOTE: not with tensor parallelism yet: every rank would have to replay in step, with
+        the all-reduces captured inside the graphs.
+        """
+        cfg = self.config
+        if not cfg.enable_cuda_graph or cfg.cuda_graph_max_bs < 1 or self.device.type != "cuda":
+            return False
+        if not isinstance(self.attn_backend, TritonBackend):
+            logger.info("CUDA graphs off: they need the triton attention backend")
+            return False
+        if self.parallel.world_size > 1:
+            logger.info("CUDA graphs off: not supported with tp_size > 1 yet")
+            return False
+        return True
 
     def _kv_slots(self) -> int:
         """How many token slots the KV pool gets: configured, or what fits in device memory."""
@@ -235,6 +259,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(batch, all_logits)
         fb = self.prepare(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)  # decode: one token, so last = all
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if not all_logits:
             last = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1

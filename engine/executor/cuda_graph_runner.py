@@ -1,0 +1,121 @@
+"""CUDA graphs for small decode batches (SGLang's CudaGraphRunner).
+
+A decode step of a small batch is bound by kernel launches, not by the GPU: every layer is a
+handful of small kernels. At start-up the runner captures one graph per batch size in
+`capture_sizes` (the model forward and the logits) over static input buffers. A decode batch of
+b requests replays the smallest captured graph of size >= b; the extra rows are padding: they
+write their KV to the reserved slot 0, read one context token, and their logits are dropped.
+
+The attention kernels choose their split count from the batch size and the longest context
+(`attn_metadata["max_seq_len"]`). A graph is captured with the longest context the request table
+allows, so its split count holds for every batch it replays (empty splits exit at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    return sorted(set(sizes) | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+        self.runner = runner
+        self.capture_sizes = capture_sizes(max_bs)
+        self.max_bs = self.capture_sizes[-1]
+        self.replays = 0  # decode steps served from a graph (for tests and metrics)
+        dev, n = runner.device, self.max_bs
+        # Padding rows keep these values: token 0 at position 0, written to slot 0, reading
+        # one context token through request row 0.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for bs in reversed(self.capture_sizes):  # largest first: later graphs reuse its memory
+            self._capture(bs)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            self.capture_sizes,
+            time.perf_counter() - t0,
+        )
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[r.max_context_len] * bs,  # sizes the kernels' split counts
+            prefix_lens_cpu=[r.max_context_len - 1] * bs,
+            extend_lens_cpu=[1] * bs,
+            req_to_token=r.req_to_token,
+            kv_pool=r.kv_pool,
+            attn_backend=r.attn_backend,
+        )
+        r.attn_backend.init_forward_metadata(fb)
+        return fb
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        model = self.runner.model
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+    def _capture(self, bs: int) -> None:
+        fb = self._static_batch(bs)
+        # Warm up on a side stream first (Triton compiles its kernels, the allocator settles).
+        stream = torch.cuda.Stream(self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run_model(fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[bs] = self._run_model(fb)
+        self.graphs[bs] = graph
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.is_decode and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [B, V] of a decode batch. A view of the graph's output buffer: it is
+        overwritten by the next replay."""
+        bs = fb.batch_size
+        size = next(s for s in self.capture_sizes if s >= bs)
+        if size > bs:
+            self.input_ids[bs:size].zero_()
+            self.positions[bs:size].zero_()
+            self.out_cache_loc[bs:size].zero_()
+            self.req_pool_indices[bs:size].zero_()
+            self.seq_lens[bs:size].fill_(1)
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.logits[size][:bs]
