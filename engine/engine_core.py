@@ -120,12 +120,13 @@ class EngineCore:
         logprobs: dict[int, float] = {}
         if out.sample_rows:
             reqs = [out.reqs[i] for i in out.sample_rows]
-            rows = torch.tensor(out.sample_rows, device=logits.device)
-            chosen = self._sample(logits[rows], reqs)
-            for i, row in enumerate(out.sample_rows):
-                next_ids[row] = int(chosen.next_token_ids[i])
-                if chosen.logprobs is not None:
-                    logprobs[row] = float(chosen.logprobs[i])
+            if out.sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
+                logits = logits[torch.tensor(out.sample_rows, device=logits.device)]
+            chosen = self._sample(logits, reqs)
+            # NOTE: one device-to-host copy for the whole batch, not one per request.
+            next_ids = dict(zip(out.sample_rows, chosen.next_token_ids.tolist(), strict=True))
+            if chosen.logprobs is not None:
+                logprobs = dict(zip(out.sample_rows, chosen.logprobs.tolist(), strict=True))
         row_of = {id(req): row for row, req in enumerate(out.reqs)}
         for req in self.scheduler.process_batch(out, next_ids):
             self._on_token(self.states[req.rid], logprobs.get(row_of[id(req)]))
