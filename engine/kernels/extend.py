@@ -5,6 +5,10 @@ and GQA (query heads grouped over KV heads).
 Inputs follow SGLang's layout: the new tokens of all requests are concatenated
 (`extend_start_loc` [B] gives each request's first row), their K/V are passed directly, and the
 prefix K/V are read from the pool through `req_to_token` (positions 0 .. prefix_len - 1).
+
+`ragged_attention` is the same kernel with every request's whole context (prefix, then new
+tokens) given as K/V rows, requests concatenated: MLA's prefill up-projects the cached latents
+of the prefix and attends over them (its pool holds latents, not per-head K/V).
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ def _extend_kernel(
     seq_lens_ptr,
     prefix_lens_ptr,
     start_loc_ptr,
+    kv_start_ptr,  # [B] first context row of each request (RAGGED only)
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ot, stride_oh, stride_rt,
     group_size, head_dim, v_head_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    UPCAST: tl.constexpr,
+    RAGGED: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    # RAGGED: k_buf/v_buf hold request b's whole context at rows kv_start[b] onwards (its new
+    # tokens' K/V included, k_ext/v_ext unused); else the prefix is read through req_to_token
+    # and the new tokens' K/V are rows start_loc[b] onwards of k_ext/v_ext.
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -47,7 +55,14 @@ def _extend_kernel(
     if mblk * BLOCK_M >= ext_len:
         return
     start = tl.load(start_loc_ptr + b).to(tl.int64)
-    row = tl.load(req_idx_ptr + b).to(tl.int64)
+    if RAGGED:
+        kv0 = tl.load(kv_start_ptr + b).to(tl.int64)
+        ext_row0 = kv0 + prefix_len
+        row = 0
+    else:
+        kv0 = 0
+        ext_row0 = start
+        row = tl.load(req_idx_ptr + b).to(tl.int64)
 
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < ext_len
@@ -66,8 +81,11 @@ def _extend_kernel(
     for n in range(0, prefix_len, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
-        slot = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0)
-        slot = slot.to(tl.int64)
+        if RAGGED:
+            slot = kv0 + offs_n
+        else:
+            slot = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0)
+            slot = slot.to(tl.int64)
         k_ptrs = k_buf_ptr + slot[None, :] * stride_kbs + kvh * stride_kbh + offs_d[:, None]
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         v_ptrs = v_buf_ptr + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_dv[None, :]
@@ -86,9 +104,9 @@ def _extend_kernel(
     for n in range(0, end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ext_len
-        k_ptrs = k_ext_ptr + (start + offs_n[None, :]) * stride_kt + kvh * stride_kh
+        k_ptrs = k_ext_ptr + (ext_row0 + offs_n[None, :]) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptrs + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        v_ptrs = v_ext_ptr + (start + offs_n[:, None]) * stride_vt + kvh * stride_vh
+        v_ptrs = v_ext_ptr + (ext_row0 + offs_n[:, None]) * stride_vt + kvh * stride_vh
         v = tl.load(v_ptrs + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
         qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
@@ -103,6 +121,51 @@ def _extend_kernel(
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+def _launch(
+    q: torch.Tensor,
+    k_ext: torch.Tensor,
+    v_ext: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor | None,
+    sm_scale: float,
+    max_extend_len: int | None,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, v_head_dim = k_ext.shape[1], v_ext.shape[2]
+    batch = seq_lens.shape[0]
+    out = q.new_empty((num_tokens, num_q_heads, v_head_dim))
+    if num_tokens == 0:
+        return out
+    if max_extend_len is None:
+        max_extend_len = int((seq_lens - prefix_lens).max().item())  # NOTE: host sync
+    block_d = triton.next_power_of_2(head_dim)
+    if is_interpreter():
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    else:
+        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+        warps, stages = 4, 2
+    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_ext, v_ext, k_buf, v_buf, out, req_to_token, req_pool_indices,
+        seq_lens, prefix_lens, q_start_loc,
+        kv_start_loc if kv_start_loc is not None else q_start_loc, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_ext.stride(0), k_ext.stride(1),
+        v_ext.stride(0), v_ext.stride(1), k_buf.stride(0), k_buf.stride(1),
+        v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0), num_q_heads // num_kv_heads, head_dim, v_head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_DV=triton.next_power_of_2(v_head_dim), RAGGED=kv_start_loc is not None,
+        UPCAST=INTERPRET_UPCAST, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
 
 
 def extend_attention(
@@ -123,33 +186,34 @@ def extend_attention(
     requests concatenated); k_buffer [num_slots, Hkv, D], v_buffer [num_slots, Hkv, Dv] (the
     pool, bf16/fp16/fp32); req_to_token [max_reqs, max_ctx]; req_pool_indices, seq_lens,
     prefix_lens, extend_start_loc [B]. Returns o [T, Hq, Dv] in q's dtype."""
-    num_tokens, num_q_heads, head_dim = q_extend.shape
-    num_kv_heads, v_head_dim = k_extend.shape[1], v_extend.shape[2]
-    batch = seq_lens.shape[0]
-    out = q_extend.new_empty((num_tokens, num_q_heads, v_head_dim))
-    if num_tokens == 0:
-        return out
-    if max_extend_len is None:
-        max_extend_len = int((seq_lens - prefix_lens).max().item())  # NOTE: host sync
-    block_d = triton.next_power_of_2(head_dim)
-    if is_interpreter():
-        block_m, block_n, warps, stages = 16, 16, 4, 1
-    else:
-        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
-        warps, stages = 4, 2
-    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
-        q_extend, k_extend, v_extend, k_buffer, v_buffer, out, req_to_token, req_pool_indices,
-        seq_lens, prefix_lens, extend_start_loc, sm_scale * _LOG2E,
-        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
-        v_extend.stride(0), v_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), num_q_heads // num_kv_heads, head_dim, v_head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_DV=triton.next_power_of_2(v_head_dim), UPCAST=INTERPRET_UPCAST,
-        num_warps=warps, num_stages=stages,
+    return _launch(
+        q_extend, k_extend, v_extend, k_buffer, v_buffer, req_to_token, req_pool_indices,
+        seq_lens, prefix_lens, extend_start_loc, None, sm_scale, max_extend_len,
     )  # fmt: skip
-    return out
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their request's whole context, given as rows.
+
+    q [T, Hq, D] (new tokens, requests concatenated, request b from row q_start_loc[b]);
+    k [S, Hkv, D], v [S, Hkv, Dv] (each request's seq_lens[b] context rows, prefix first, from
+    row kv_start_loc[b]); seq_lens, prefix_lens [B]. Query i of request b sits at position
+    prefix_lens[b] + i. Returns o [T, Hq, Dv] in q's dtype.
+    """
+    return _launch(
+        q, k, v, k, v, seq_lens, seq_lens, seq_lens, prefix_lens, q_start_loc, kv_start_loc,
+        sm_scale, max_extend_len,
+    )  # fmt: skip
 
 
 def extend_attention_ref(
@@ -182,3 +246,29 @@ def extend_attention_ref(
         s = s.masked_fill(~allowed[None], float("-inf"))
         out[s0 : s0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v)
     return out.to(q_extend.dtype)
+
+
+def ragged_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """PyTorch reference for `ragged_attention`, in fp32."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape[:2] + (v.shape[2],), dtype=torch.float32, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        total, pre = int(seq_lens[b]), int(prefix_lens[b])
+        q0, kv0, n = int(q_start_loc[b]), int(kv_start_loc[b]), total - pre
+        kb = k[kv0 : kv0 + total].float().repeat_interleave(group, 1)  # [L, Hq, D]
+        vb = v[kv0 : kv0 + total].float().repeat_interleave(group, 1)
+        s = torch.einsum("thd,lhd->htl", q[q0 : q0 + n].float(), kb) * sm_scale
+        pos_q = torch.arange(n, device=s.device)[:, None] + pre
+        allowed = torch.arange(total, device=s.device)[None, :] <= pos_q
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        out[q0 : q0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), vb)
+    return out.to(q.dtype)

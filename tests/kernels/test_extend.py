@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.extend import extend_attention, extend_attention_ref
+from engine.kernels.extend import (
+    extend_attention,
+    extend_attention_ref,
+    ragged_attention,
+    ragged_attention_ref,
+)
 
 
 @pytest.mark.parametrize(
@@ -47,5 +52,42 @@ def test_extend_attention(
     args = [t.to(device) for t in (q, k, v, k_buf, v_buf, rt, rows, sl, pl, start)]
     out = extend_attention(*args, d**-0.5)
     ref = extend_attention_ref(*args, d**-0.5)
+    tol = 1e-2 if dtype == torch.float32 else 3e-2
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+@pytest.mark.parametrize(
+    "prefix,extend,hq,hkv,dtype",
+    [
+        ([0], [1], 2, 2, torch.float32),  # one token, no prefix
+        ([21, 0, 5], [4, 37, 18], 2, 2, torch.float32),  # mixed; extends not tile multiples
+        ([17, 40], [9, 3], 4, 2, torch.bfloat16),  # grouped heads, prefix longer than the tile
+    ],
+)
+def test_ragged_attention(
+    prefix: list[int],
+    extend: list[int],
+    hq: int,
+    hkv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """MLA's prefill shape: D (192 on DeepSeek) > Dv (128), whole contexts given as rows."""
+    d, dv = 48, 32
+    g = torch.Generator().manual_seed(len(prefix) + sum(extend))
+    seq = [p + e for p, e in zip(prefix, extend, strict=True)]
+    # A gap row between requests: reading past a request's own rows would show.
+    kv_start = torch.tensor([sum(seq[:b]) + 3 * b for b in range(len(seq))], dtype=torch.int32)
+    rows = int(kv_start[-1]) + seq[-1] + 3
+    k = torch.randn(rows, hkv, d, generator=g).to(dtype)
+    v = torch.randn(rows, hkv, dv, generator=g).to(dtype)
+    q = torch.randn(sum(extend), hq, d, generator=g).to(dtype)
+    q_start = torch.cumsum(torch.tensor([0] + extend[:-1]), 0).int()
+    sl = torch.tensor(seq, dtype=torch.int32)
+    pl = torch.tensor(prefix, dtype=torch.int32)
+    args = [t.to(device) for t in (q, k, v, sl, pl, q_start, kv_start)]
+    out = ragged_attention(*args, d**-0.5)
+    ref = ragged_attention_ref(*args, d**-0.5)
+    assert out.shape == (sum(extend), hq, dv)
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol

@@ -2,9 +2,10 @@
 
 Decode runs the split-KV kernels (grouped MLA decode over the latent pool, GQA decode over the
 MHA pool) and stores new KV rows with the store kernel (quantizing for FP8). Extend runs the Triton
-extend kernel for GQA over a bf16/fp16/fp32 pool. What has no kernel yet falls back to the
-torch-native backend it derives from: MLA's decompressing prefill (ragged attention over
-up-projected latents), extend over an FP8 MHA pool, and MLA extend through the absorbed path.
+extend kernel for GQA over a bf16/fp16/fp32 pool, and its ragged form for MLA's decompressing
+prefill (attention over the up-projected latents of each request's context). What has no kernel
+yet falls back to the torch-native backend it derives from: extend over an FP8 MHA pool, and MLA
+extend through the absorbed path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.executor.forward_batch import ForwardBatch
-from engine.kernels.extend import extend_attention
+from engine.kernels.extend import extend_attention, ragged_attention
 from engine.kernels.gqa_decode import gqa_decode
 from engine.kernels.kv_store import store_kv, store_mla_kv
 from engine.kernels.mla_decode import mla_decode
@@ -37,13 +38,13 @@ class TritonBackend(TorchNativeBackend):
         meta["max_seq_len"] = max(fb.seq_lens_cpu)
         if fb.is_decode:
             return
-        if self.is_mla or self.is_fp8:
-            super().init_forward_metadata(fb)  # the torch-native paths need context slots
-            return
         extend_lens = torch.tensor(fb.extend_lens_cpu, device=fb.seq_lens.device)
         meta["prefix_lens"] = torch.tensor(fb.prefix_lens_cpu, device=fb.seq_lens.device)
         meta["extend_start_loc"] = torch.cumsum(extend_lens, 0) - extend_lens
         meta["max_extend_len"] = max(fb.extend_lens_cpu)
+        if self.is_mla or self.is_fp8:
+            super().init_forward_metadata(fb)  # the context slots, for gather_context
+            meta["context_start_loc"] = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
 
     def _store(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v) -> None:
         lid = layer.layer_id
@@ -86,6 +87,20 @@ class TritonBackend(TorchNativeBackend):
             k_scale=scale,
             v_scale=self.v_scales[lid] if self.is_fp8 else None,
             max_seq_len=max_seq_len,  # type: ignore[arg-type]
+        )
+
+    def forward_extend_ragged(self, q, k, v, layer, fb):
+        meta = fb.attn_metadata
+        return ragged_attention(
+            q,
+            k,
+            v,
+            fb.seq_lens,
+            meta["prefix_lens"],  # type: ignore[arg-type]
+            meta["extend_start_loc"],  # type: ignore[arg-type]
+            meta["context_start_loc"],  # type: ignore[arg-type]
+            layer.scaling,
+            max_extend_len=meta["max_extend_len"],  # type: ignore[arg-type]
         )
 
     def forward_extend(self, q, k, v, layer, fb, save_kv=True):
