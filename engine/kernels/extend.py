@@ -216,6 +216,19 @@ def ragged_attention(
     )  # fmt: skip
 
 
+def _causal_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, sm_scale: float
+):
+    """q [n, Hq, D] at positions prefix_len.. over a whole context k [L, Hkv, D], v [L, Hkv, Dv]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    s = torch.einsum("thd,lhd->htl", q.float(), k) * sm_scale
+    pos_q = torch.arange(q.shape[0], device=s.device)[:, None] + prefix_len
+    allowed = torch.arange(k.shape[0], device=s.device)[None, :] <= pos_q  # [n, L]
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v)
+
+
 def extend_attention_ref(
     q_extend: torch.Tensor,
     k_extend: torch.Tensor,
@@ -230,21 +243,14 @@ def extend_attention_ref(
     sm_scale: float,
 ) -> torch.Tensor:
     """PyTorch reference for `extend_attention`, in fp32."""
-    group = q_extend.shape[1] // k_extend.shape[1]
-    out = torch.empty(q_extend.shape[:2] + (v_extend.shape[2],), dtype=torch.float32)
-    out = out.to(q_extend.device)
+    out = torch.empty(q_extend.shape[:2] + (v_extend.shape[2],), device=q_extend.device)
     for b in range(seq_lens.shape[0]):
         pre, total = int(prefix_lens[b]), int(seq_lens[b])
         s0, n = int(extend_start_loc[b]), total - pre
         slots = req_to_token[int(req_pool_indices[b]), :pre].long()
         k = torch.cat([k_buffer[slots].float(), k_extend[s0 : s0 + n].float()])  # [L, Hkv, D]
         v = torch.cat([v_buffer[slots].float(), v_extend[s0 : s0 + n].float()])
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        s = torch.einsum("thd,lhd->htl", q_extend[s0 : s0 + n].float(), k) * sm_scale
-        pos_q = torch.arange(n, device=s.device)[:, None] + pre
-        allowed = torch.arange(total, device=s.device)[None, :] <= pos_q  # [n, L]
-        s = s.masked_fill(~allowed[None], float("-inf"))
-        out[s0 : s0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), v)
+        out[s0 : s0 + n] = _causal_ref(q_extend[s0 : s0 + n], k, v, pre, sm_scale)
     return out.to(q_extend.dtype)
 
 
@@ -259,16 +265,10 @@ def ragged_attention_ref(
     sm_scale: float,
 ) -> torch.Tensor:
     """PyTorch reference for `ragged_attention`, in fp32."""
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape[:2] + (v.shape[2],), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape[:2] + (v.shape[2],), device=q.device)
     for b in range(seq_lens.shape[0]):
         total, pre = int(seq_lens[b]), int(prefix_lens[b])
         q0, kv0, n = int(q_start_loc[b]), int(kv_start_loc[b]), total - pre
-        kb = k[kv0 : kv0 + total].float().repeat_interleave(group, 1)  # [L, Hq, D]
-        vb = v[kv0 : kv0 + total].float().repeat_interleave(group, 1)
-        s = torch.einsum("thd,lhd->htl", q[q0 : q0 + n].float(), kb) * sm_scale
-        pos_q = torch.arange(n, device=s.device)[:, None] + pre
-        allowed = torch.arange(total, device=s.device)[None, :] <= pos_q
-        s = s.masked_fill(~allowed[None], float("-inf"))
-        out[q0 : q0 + n] = torch.einsum("htl,lhd->thd", torch.softmax(s, -1), vb)
+        rows = slice(kv0, kv0 + total)
+        out[q0 : q0 + n] = _causal_ref(q[q0 : q0 + n], k[rows], v[rows], pre, sm_scale)
     return out.to(q.dtype)
