@@ -34,6 +34,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
+    @torch.inference_mode()  # as the eager forward: no autograd state kept by the graphs
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:
         self.runner = runner
         self.capture_sizes = capture_sizes(max_bs)

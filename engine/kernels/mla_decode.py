@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter, num_sms
+from engine.kernels.utils import INTERPRET_UPCAST, dot, has_fp8_cvt, is_interpreter, num_sms
 
 _LOG2E = 1.4426950408889634
 
@@ -126,7 +126,7 @@ def _mla_decode_stage1(
     BLOCK_N: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr,
     IS_FP8: tl.constexpr,
-    USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (GPU), else with `.to` (interpreter)
+    USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles."""
@@ -377,7 +377,7 @@ def _launch(
         BLOCK_N=block_n,
         HAS_ROW_IDX=row_idx is not None,
         IS_FP8=is_fp8,
-        USE_PTX=not is_interpreter(),
+        USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -23,6 +23,12 @@ def num_sms() -> int:
     return 132
 
 
+@functools.cache
+def has_fp8_cvt(device: torch.device) -> bool:
+    """Whether the GPU has PTX's e4m3 -> f16 conversion (`cvt.rn.f16x2.e4m3x2`, sm_89+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 # NOTE: Triton 3.9's interpreter computes tl.dot on bf16 operands wrongly (it multiplies the raw
 # 16-bit patterns), so on CPU the kernels upcast dot operands to fp32 first. On a GPU the flag
 # is False and the dot runs on the tensor cores in the operands' own dtype.
