@@ -178,6 +178,11 @@ class EngineConfig:
             raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.enable_torch_compile:
+            raise ConfigError(
+                "enable_torch_compile is not implemented yet; decode batches up to "
+                "cuda_graph_max_bs already run from CUDA graphs (enable_cuda_graph)"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:

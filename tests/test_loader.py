@@ -83,3 +83,8 @@ def test_sharded_checkpoint_loads(checkpoint: Path) -> None:
 def test_unknown_engine_config_key_is_named() -> None:
     with pytest.raises(ConfigError, match="unknown engine config key.*max_batch"):
         EngineConfig.from_dict({"max_batch": 3})
+
+
+def test_torch_compile_is_refused_until_implemented() -> None:
+    with pytest.raises(ConfigError, match="enable_torch_compile is not implemented"):
+        EngineConfig.from_dict({"enable_torch_compile": True})
