@@ -88,3 +88,18 @@ def test_unknown_engine_config_key_is_named() -> None:
 def test_torch_compile_is_refused_until_implemented() -> None:
     with pytest.raises(ConfigError, match="enable_torch_compile is not implemented"):
         EngineConfig.from_dict({"enable_torch_compile": True})
+
+
+def test_v2_lite_preset_has_the_real_shape(tmp_path: Path) -> None:
+    """`make_random_checkpoint --preset v2-lite` (GPU benchmarks): the config our loader reads."""
+    from engine.tools.make_random_checkpoint import PRESETS, make_config
+
+    config = make_config(**PRESETS["v2-lite"])
+    config.architectures = ["DeepseekV2ForCausalLM"]  # what saving the model would record
+    config.save_pretrained(str(tmp_path))
+    mc = ModelConfig.from_pretrained(tmp_path)
+    assert mc.is_mla and mc.num_hidden_layers == 27 and mc.num_attention_heads == 16
+    assert (mc.kv_lora_rank, mc.qk_rope_head_dim, mc.head_dim) == (512, 64, 192)
+    hf = mc.hf_config
+    assert (hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (64, 6, 1408)
+    assert hf.q_lora_rank is None and hf.rope_parameters["rope_type"] == "yarn"

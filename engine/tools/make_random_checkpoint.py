@@ -16,6 +16,30 @@ import torch
 DEFAULT_TOKENIZER = Path("models/smollm2-135m-instruct")
 
 
+# Real models' shapes (random weights): `--preset v2-lite --layers 8` is DeepSeek-V2-Lite with 8
+# of its 27 layers, for GPU benchmarks (the vocabulary is the tokenizer's, not V2-Lite's 102400).
+PRESETS: dict[str, dict[str, Any]] = {
+    "v2-lite": dict(
+        layers=27,
+        hidden_size=2048,
+        heads=16,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=163840,
+        yarn=True,
+    ),
+}
+
+
 def make_config(
     arch: str = "v2",
     layers: int = 3,
@@ -26,6 +50,8 @@ def make_config(
     qk_nope_head_dim: int = 16,
     qk_rope_head_dim: int = 16,  # GPU tensor-core dots need K >= 16
     v_head_dim: int = 16,
+    intermediate_size: int | None = None,  # None: 2 x hidden
+    moe_intermediate_size: int | None = None,  # None: hidden / 2
     moe: bool = True,
     n_routed_experts: int = 8,
     num_experts_per_tok: int = 2,
@@ -40,8 +66,8 @@ def make_config(
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        moe_intermediate_size=hidden_size // 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
+        moe_intermediate_size=moe_intermediate_size or hidden_size // 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
@@ -127,9 +153,11 @@ def make_checkpoint(
     seed: int = 0,
     weight_scale: float = 0.08,
     tokenizer_dir: Path | None = DEFAULT_TOKENIZER,
+    save_dtype: torch.dtype = torch.float32,
     **config_kwargs: Any,
 ) -> Path:
-    """Random weights with std `weight_scale` (large enough that logits are far from uniform)."""
+    """Random weights with std `weight_scale` (large enough that logits are far from uniform),
+    saved in `save_dtype`."""
     from transformers import AutoTokenizer, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
     config = make_config(arch=arch, **config_kwargs)
@@ -146,7 +174,7 @@ def make_checkpoint(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.05, 0.05)  # exercise the V3 bias in routing
-    model.save_pretrained(str(out))
+    model.to(save_dtype).save_pretrained(str(out))
     if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     return out
@@ -156,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--arch", choices=("v2", "v3", "llama"), default="v2")
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a real model's shape (other sizes ignored)"
+    )
+    p.add_argument("--layers", type=int, default=None, help="default 3, or the preset's")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-lora-rank", type=int, default=32)
@@ -173,13 +204,28 @@ def main(argv: list[str] | None = None) -> int:
         make_llama_checkpoint(a.out, seed=a.seed, tokenizer_dir=a.tokenizer)
         print(f"wrote {a.out}")
         return 0
+    if a.preset:
+        shape = dict(PRESETS[a.preset])
+        if a.layers is not None:
+            shape["layers"] = a.layers
+        make_checkpoint(
+            a.out,
+            arch=a.arch,
+            seed=a.seed,
+            weight_scale=0.02,  # std 0.08 would grow the residual stream ~4x a layer at this size
+            tokenizer_dir=a.tokenizer,
+            save_dtype=torch.bfloat16,
+            **shape,
+        )
+        print(f"wrote {a.out}")
+        return 0
     make_checkpoint(
         a.out,
         arch=a.arch,
         seed=a.seed,
         weight_scale=a.weight_scale,
         tokenizer_dir=a.tokenizer,
-        layers=a.layers,
+        layers=a.layers or 3,
         hidden_size=a.hidden_size,
         heads=a.heads,
         kv_lora_rank=a.kv_lora_rank,

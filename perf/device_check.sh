@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything a GPU session checks, in one run of about 6-8 minutes on an H200: the tests that
+# need CUDA (and the engine tests on the Triton backend), the kernel benchmark against FlashMLA,
+# and the offline engine benchmarks against transformers on a random SmolLM2-shaped Llama and on
+# 8 layers of DeepSeek-V2-Lite's shape. Outputs land in $OUT (default perf/results/device).
+#
+# Through the device tool, from the repository root, carrying the FlashMLA wheel and the default
+# tokenizer (the model's weights are too large to carry; the benchmarks use random weights):
+#   carry: .whl, models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
+#   command: bash perf/device_check.sh
+set -u
+OUT=${OUT:-perf/results/device}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/sgl_flash_mla-*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+
+# step NAME SECONDS COMMAND...: run with a time limit, keep the whole log, show its tail.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "rc=$?"
+    tail -n 4 "$OUT/$name.txt"
+}
+
+# The default model's weights are not on the device: leave out the tests that need them.
+step pytest 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
+    tests/test_triton_backend.py tests/test_models_reference.py tests/test_kv_pool.py \
+    tests/test_engine_batching.py tests/test_sampler.py \
+    -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
+step bench_kernels 150 python3 perf/bench_kernels.py --out "$OUT"
+python3 -m engine.tools.make_random_checkpoint --arch llama --out /tmp/rand-llama > /dev/null
+step offline_llama 150 python3 perf/bench_offline.py --model /tmp/rand-llama \
+    --json "$OUT/offline_llama.json"
+python3 -m engine.tools.make_random_checkpoint --preset v2-lite --layers 8 --out /tmp/rand-v2lite \
+    > /dev/null
+step offline_v2lite 240 python3 perf/bench_offline.py --model /tmp/rand-v2lite \
+    --json "$OUT/offline_v2lite.json"
