@@ -174,6 +174,8 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -276,3 +277,35 @@ def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla) -> No
         assert engine.core.scheduler.in_use_slots() == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "which,backend", [("mla", "torch_native"), ("mla", "triton"), ("llama", "triton")]
+)
+def test_paged_pool_matches_page_size_1(
+    which: str, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """page_size 16: requests own whole pages; prefixes are shared in whole pages."""
+    if which == "mla":
+        model = request.getfixturevalue("tiny_mla")("v2", moe=True, q_lora_rank=None)
+    else:
+        model = request.getfixturevalue("tiny_llama")
+    prompts, params = _mixed_prompts(8, seed=3)
+    params = [dataclasses.replace(p, max_tokens=min(p.max_tokens, 8)) for p in params]
+    paged = LLM(
+        model,
+        dtype="float32",
+        page_size=16,
+        attention_backend=backend,
+        max_total_tokens=1024,
+        max_running_requests=4,
+        chunked_prefill_size=24,  # chunks that end inside a page
+        debug_checks=True,
+    )
+    got = paged.generate(prompts, params)
+    ref = LLM(model, dtype="float32", max_total_tokens=1024, disable_radix_cache=True)
+    for prompt, p, out in zip(prompts, params, got, strict=True):
+        assert out.token_ids == ref.generate([prompt], p)[0].token_ids
+        assert out.cached_tokens % 16 == 0
+    assert paged.core.stats().prefix_cache_hit_tokens_total > 0
+    _check_idle(paged)

@@ -28,9 +28,13 @@ def _run(
     while sched.has_work():
         out = sched.schedule()
         assert out is not None, "work is queued but nothing can be scheduled"
+        p = sched.allocator.page_size
         for e in out.batch.entries:
             assert len(e.out_cache_loc) == len(e.input_ids)
-            assert 0 not in e.out_cache_loc  # the padding slot is never handed out
+            assert min(e.out_cache_loc) >= p  # the padding page is never handed out
+            # Token i of a request sits at offset i % p of one of its pages.
+            for i, slot in enumerate(e.out_cache_loc, start=e.prefix_len):
+                assert slot % p == i % p
         if out.batch.mode == ForwardMode.DECODE:
             assert all(len(e.input_ids) == 1 for e in out.batch.entries)
         next_ids = {row: _fake_token(out.reqs[row]) for row in out.sample_rows}
@@ -73,12 +77,13 @@ def _expected(req: Req, max_context_len: int) -> list[int]:
     return solo.output_ids
 
 
+@pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("policy", ["lpm", "fcfs"])
 @pytest.mark.parametrize("pool,chunk", [(512, 2048), (96, 16), (60, 7)])
-def test_random_workloads_keep_the_invariant(policy: str, pool: int, chunk: int) -> None:
+def test_random_workloads_keep_the_invariant(policy: str, pool: int, chunk: int, page: int) -> None:
     rng = random.Random(pool * 7 + chunk)
     shared = [rng.randrange(1, 1000) for _ in range(30)]
-    config = EngineConfig(chunked_prefill_size=chunk, schedule_policy=policy)
+    config = EngineConfig(chunked_prefill_size=chunk, schedule_policy=policy, page_size=page)
     sched = Scheduler(config, max_total_tokens=pool, max_context_len=pool, max_running=6)
     reqs = _reqs(rng, 40, shared)
     outputs = _run(sched, reqs)
@@ -92,10 +97,11 @@ def test_random_workloads_keep_the_invariant(policy: str, pool: int, chunk: int)
     assert sched.counters.cache_hit_tokens > 0
 
 
-def test_aborts_at_random_points_leak_nothing() -> None:
+@pytest.mark.parametrize("page", [1, 4])
+def test_aborts_at_random_points_leak_nothing(page: int) -> None:
     rng = random.Random(5)
     shared = [rng.randrange(1, 1000) for _ in range(30)]
-    config = EngineConfig(chunked_prefill_size=8)
+    config = EngineConfig(chunked_prefill_size=8, page_size=page)
     sched = Scheduler(config, max_total_tokens=80, max_context_len=80, max_running=5)
     reqs = _reqs(rng, 30, shared)
     _run(sched, reqs, rng=rng, abort_p=0.15)

@@ -115,7 +115,8 @@ class ModelRunner:
         self.model.eval()
 
         # Every rank's pool must have the same slots: the scheduler on rank 0 hands them out.
-        self.max_total_tokens = self.parallel.min_int(self._kv_slots(), self.device)
+        page = config.page_size
+        self.max_total_tokens = self.parallel.min_int(self._kv_slots(), self.device) // page * page
         self.max_context_len = min(
             config.max_context_len or mc.max_position_embeddings, self.max_total_tokens
         )
@@ -154,6 +155,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 cfg.kv_cache_dtype,
+                cfg.page_size,
             )
         # Each rank stores only its KV heads (MLA's latent rows are whole on every rank).
         kv_heads = self.parallel.shard(mc.num_key_value_heads, "KV heads")[1]
@@ -166,6 +168,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             cfg.kv_cache_dtype,
+            cfg.page_size,
         )
 
     def _use_cuda_graph(self) -> bool:

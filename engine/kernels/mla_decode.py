@@ -43,10 +43,15 @@ def _split_bounds(seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, 
 
 
 @triton.jit
-def _page_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr):
-    """Slot ids of tokens n + offs_t from the page table (a tile never crosses a page)."""
-    page = tl.load(table_row + n // PAGE_SIZE, mask=n < end, other=0).to(tl.int64)
-    return page * PAGE_SIZE + (n + offs_t) % PAGE_SIZE
+def _page_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: tl.constexpr):
+    """Slot ids of tokens n + offs_t (0 past `end`). A tile never crosses a page, so its slots
+    follow the first one: read from the slot table (SLOT_TABLE) or made from the page id."""
+    if SLOT_TABLE:
+        slots = tl.load(table_row + n, mask=n < end, other=0).to(tl.int64) + offs_t
+    else:
+        page = tl.load(table_row + n // PAGE_SIZE, mask=n < end, other=0).to(tl.int64)
+        slots = page * PAGE_SIZE + (n + offs_t) % PAGE_SIZE
+    return slots
 
 
 @triton.jit
@@ -101,7 +106,7 @@ def _store_split(
 def _mla_decode_stage1(
     q_ptr,  # [B, H, C + R]
     kv_ptr,  # [num_slots, C + R] (row stride given)
-    table_ptr,  # [rows, cols] int32: slot ids (PAGE_SIZE 1) or page ids
+    table_ptr,  # [rows, cols] int32: slot ids per position (SLOT_TABLE) or page ids
     row_idx_ptr,  # [B] table row per request (only when HAS_ROW_IDX)
     seq_lens_ptr,  # [B]
     mid_o_ptr,  # [B, H, S, C] fp32, or the output [B, H, 1, C] when S == 1
@@ -122,6 +127,7 @@ def _mla_decode_stage1(
     C: tl.constexpr,  # kv_lora_rank (power of two)
     R: tl.constexpr,  # rope dim (power of two)
     PAGE_SIZE: tl.constexpr,
+    SLOT_TABLE: tl.constexpr,  # the table holds every position's slot (req_to_token)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_ROW_IDX: tl.constexpr,
@@ -174,7 +180,7 @@ def _mla_decode_stage1(
     if PAGE_SIZE == 1:
         next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
     elif IS_FP8:
-        next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE)
+        next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     else:
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
     for n in range(start, end, BLOCK_N):
@@ -185,10 +191,13 @@ def _mla_decode_stage1(
             next_slot = tl.load(table_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < end, other=0)
         elif IS_FP8:
             slot = next_slot
-            next_slot = _page_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE)
+            next_slot = _page_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
         else:
-            page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
-            slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+            if SLOT_TABLE:
+                slot = tl.load(table_row + n).to(tl.int64) + offs_t
+            else:
+                page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
+                slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_rows = kv_ptr + slot[:, None] * stride_kv
         kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
         pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
@@ -373,6 +382,7 @@ def _launch(
         C=c,
         R=r,
         PAGE_SIZE=page_size,
+        SLOT_TABLE=row_idx is not None,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         HAS_ROW_IDX=row_idx is not None,
@@ -399,17 +409,23 @@ def mla_decode(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     config: MLADecodeConfig | None = None,
+    page_size: int = 1,
 ) -> torch.Tensor:
-    """Absorbed MLA decode over a page-size-1 latent pool.
+    """Absorbed MLA decode over the engine's latent pool, through `req_to_token`.
 
     q [B, H, C + R]; kv_buffer [num_slots, 1, C + R] (bf16/fp16/fp32, or fp8 e4m3 with
     k_scale [1] fp32); req_to_token [max_reqs, max_ctx] int32; req_pool_indices [B];
     seq_lens [B] (including the token being decoded). Returns o [B, H, C] in q's dtype.
+    With `page_size` > 1 the pool is paged (positions i // page_size * page_size onwards sit in
+    consecutive slots, the allocator's layout), and a tile reads one slot id instead of one per
+    token.
     """
     kv = kv_buffer.view(kv_buffer.shape[0], kv_buffer.shape[-1])
+    # NOTE: pages smaller than a 16-token tile are read slot by slot (the table has them all).
+    page = page_size if page_size >= 16 else 1
     return _launch(
-        q, kv, req_to_token, req_pool_indices, seq_lens, kv_lora_rank, sm_scale, k_scale, 1,
-        num_kv_splits, max_seq_len, config,
+        q, kv, req_to_token, req_pool_indices, seq_lens, kv_lora_rank, sm_scale, k_scale,
+        page, num_kv_splits, max_seq_len, config,
     )  # fmt: skip
 
 

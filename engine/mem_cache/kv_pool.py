@@ -25,7 +25,8 @@ class KVPool:
     compute dtype (dequantized), as [n, kv_heads, dim] key and value tensors.
     """
 
-    size: int  # usable slots, not counting slot 0
+    size: int  # usable slots, not counting the reserved page 0 (slot 0 with page size 1)
+    page_size: int
     dtype: torch.dtype  # compute dtype
     store_dtype: torch.dtype
     num_layers: int
@@ -66,10 +67,12 @@ class MHATokenToKVPool(KVPool):
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        page_size: int = 1,
     ) -> None:
         self.size, self.num_layers, self.dtype = size, num_layers, dtype
+        self.page_size = page_size
         self.store_dtype = _store_dtype(dtype, kv_cache_dtype)
-        shape = (size + 1, num_kv_heads)
+        shape = (size + page_size, num_kv_heads)
         self.k_buffer = [
             torch.zeros(*shape, head_dim, dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
@@ -106,13 +109,15 @@ class MLATokenToKVPool(KVPool):
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        page_size: int = 1,
     ) -> None:
         self.size, self.num_layers, self.dtype = size, num_layers, dtype
+        self.page_size = page_size
         self.kv_lora_rank = kv_lora_rank
         self.store_dtype = _store_dtype(dtype, kv_cache_dtype)
         dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [
-            torch.zeros(size + 1, 1, dim, dtype=self.store_dtype, device=device)
+            torch.zeros(size + page_size, 1, dim, dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
         ]
         self.k_scale = [1.0] * num_layers

@@ -47,11 +47,11 @@ class Scheduler:
     def __init__(
         self, config: EngineConfig, max_total_tokens: int, max_context_len: int, max_running: int
     ) -> None:
-        if config.page_size != 1:
-            raise ValueError("page_size > 1 is not supported by the scheduler yet; use 1")
         self.config = config
         self.max_context_len = max_context_len
         self.max_running = max_running
+        # The pool's usable slots, in whole pages.
+        max_total_tokens -= max_total_tokens % config.page_size
         self.allocator = TokenSlotAllocator(max_total_tokens, config.page_size)
         self.tree = RadixCache(self.allocator, config.page_size, disable=config.disable_radix_cache)
         self.free_rows = list(range(max_running - 1, -1, -1))
@@ -124,13 +124,14 @@ class Scheduler:
                 break
             prefix_len = req.num_computed
             n = min(req.fill_len - prefix_len, budget)
-            # Keep a slot free for every decoding request's next step; retraction handles the
-            # rest if they grow past what is left.
-            slots = self._alloc(n, reserve=len(self.running))
-            if slots is None:
+            # Keep room for every decoding request's next step; retraction handles the rest if
+            # they grow past what is left.
+            got = self._alloc([(req, n)], reserve=self._decode_reserve())
+            if got is None:
                 if admitted_now:
                     self._unadmit(req)
                 break
+            slots = got[0]
             rewrite = admitted_now or req.rid in self._row_dirty
             self._row_dirty.discard(req.rid)
             entries.append(
@@ -183,16 +184,16 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def _schedule_decode(self) -> ScheduleOutput:
-        slots = self._alloc(len(self.running), reserve=0)
-        while slots is None:
+        got = self._alloc([(req, 1) for req in self.running], reserve=0)
+        while got is None:
             # Retract the newest admitted request, but keep at least one decoding.
             victims = self.prefilling + (self.running if len(self.running) > 1 else [])
             if not victims:
                 raise RuntimeError("the KV pool cannot hold one request; raise max_total_tokens")
             self.retract(max(victims, key=lambda r: r.arrival))
-            slots = self._alloc(len(self.running), reserve=0)
+            got = self._alloc([(req, 1) for req in self.running], reserve=0)
         entries = []
-        for req, slot in zip(self.running, slots, strict=True):
+        for req, (slot,) in zip(self.running, got, strict=True):
             rewrite = req.rid in self._row_dirty
             self._row_dirty.discard(req.rid)
             entries.append(
@@ -210,15 +211,41 @@ class Scheduler:
             ScheduledBatch(ForwardMode.DECODE, entries), reqs, list(range(len(reqs)))
         )
 
-    def _alloc(self, n: int, reserve: int) -> list[int] | None:
-        """n slots, evicting unlocked cached prefixes if needed; None if they cannot be had
-        while leaving `reserve` slots obtainable."""
-        short = n + reserve - self.allocator.available_size()
+    def _pages_needed(self, req: Req, n: int) -> int:
+        """New pages for the request's next n tokens (its last page may have room)."""
+        p, have = self.allocator.page_size, len(req.kv_slots)
+        return -(-(have + n) // p) - -(-have // p)
+
+    def _decode_reserve(self) -> int:
+        """Slots the decoding requests' next step needs (a page each for those whose last
+        page is full)."""
+        return sum(self._pages_needed(r, 1) for r in self.running) * self.allocator.page_size
+
+    def _alloc(self, wants: list[tuple[Req, int]], reserve: int) -> list[list[int]] | None:
+        """Slots for the next n tokens of each (request, n), evicting unlocked cached prefixes
+        if needed; None if they cannot be had while leaving `reserve` slots obtainable.
+
+        Token i of a request lives in slot first_slot(page i // p) + i % p: a token that starts
+        a page gets a new page, the others the slot after the previous token's.
+        """
+        p = self.allocator.page_size
+        pages = [self._pages_needed(req, n) for req, n in wants]
+        need = sum(pages) * p + reserve
+        short = need - self.allocator.available_size()
         if short > 0:
             self.tree.evict(short)
-        if self.allocator.available_size() < n + reserve:
+        if self.allocator.available_size() < need:
             return None
-        return self.allocator.alloc(n)
+        out = []
+        for (req, n), k in zip(wants, pages, strict=True):
+            firsts = iter(self.allocator.alloc_pages(k) or [])
+            last = req.kv_slots[-1] if req.kv_slots else -1
+            slots = []
+            for i in range(len(req.kv_slots), len(req.kv_slots) + n):
+                last = next(firsts) if i % p == 0 else last + 1
+                slots.append(last)
+            out.append(slots)
+        return out
 
     # ---- after the forward -------------------------------------------------------------------
     def process_batch(self, out: ScheduleOutput, next_ids: dict[int, int]) -> list[Req]:
@@ -308,8 +335,10 @@ class Scheduler:
         return owned
 
     def in_use_slots(self) -> int:
-        """Slots owned by requests, not by the tree."""
-        return sum(len(r.kv_slots) - self._tree_owned(r) for r in self.active())
+        """Slots owned by requests, not by the tree (whole pages: a request's own slots start
+        on a page boundary, after its page-aligned cached prefix)."""
+        p = self.allocator.page_size
+        return sum(-(-(len(r.kv_slots) - self._tree_owned(r)) // p) * p for r in self.active())
 
     def check_integrity(self) -> None:
         """free + cached + in use == total (raises AssertionError naming the numbers)."""

@@ -172,3 +172,38 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 16, 16384, sms=132) > 16
     assert choose_num_kv_splits(128, 16, 4096, sms=132) <= 4
     assert choose_num_kv_splits(1, 16, 10, sms=132) == 1
+
+
+@pytest.mark.parametrize("page,fp8", [(16, False), (32, False), (16, True)])
+def test_mla_decode_paged_slots(page: int, fp8: bool, device: torch.device) -> None:
+    """The engine's paged layout: req_to_token holds every slot, each page's slots consecutive."""
+    g = torch.Generator().manual_seed(page)
+    seq_lens, heads = [1, page, 3 * page + 5, 2 * page - 1], 16
+    num_pages = sum(-(-n // page) for n in seq_lens) + 3
+    kv = torch.randn(num_pages * page, 1, C + R, generator=g)
+    kv[:page] = 1e4  # page 0 is the padding page: reading it would show in the output
+    k_scale = torch.tensor([0.03])
+    if fp8:
+        kv = quantize_fp8_ref(kv, k_scale)
+    pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    rows = torch.tensor([2, 0, 3, 1])
+    req_to_token = torch.zeros(4, max(seq_lens) + page, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        own = [pages.pop() for _ in range(-(-n // page))]
+        req_to_token[rows[b], :n] = torch.tensor(
+            [own[i // page] * page + i % page for i in range(n)]
+        )
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, kv, req_to_token, rows, lens, k_scale = (
+        t.to(device) for t in (q, kv, req_to_token, rows, lens, k_scale)
+    )
+    ks = k_scale if fp8 else None
+    if fp8:
+        q = q.to(torch.bfloat16)
+    out = mla_decode(
+        q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks, num_kv_splits=3, page_size=page,
+        config=_small_config(device),
+    )  # fmt: skip
+    ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
+    assert _rel_err(out, ref) < 2e-2

@@ -74,6 +74,7 @@ class TritonBackend(TorchNativeBackend):
                 layer.scaling,
                 k_scale=scale,
                 max_seq_len=max_seq_len,  # type: ignore[arg-type]
+                page_size=self.kv_pool.page_size,
             )
         assert isinstance(self.kv_pool, MHATokenToKVPool)
         return gqa_decode(
