@@ -55,10 +55,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--page-size", type=int, default=1, help="the engine's KV page size")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device, max_total_tokens=16384)
+    common = dict(device=args.device, max_total_tokens=16384, page_size=args.page_size)
+    llm = LLM(args.model, **common)
     device, dtype = llm.core.runner.device, llm.core.runner.dtype
     prompts = make_prompts(llm.tokenizer, args.requests)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -70,7 +72,7 @@ def main() -> None:
     if graphs:
         del llm
         torch.cuda.empty_cache()
-        eager = LLM(args.model, device=args.device, max_total_tokens=16384, enable_cuda_graph=False)
+        eager = LLM(args.model, enable_cuda_graph=False, **common)
         eager_tok_s = run_engine(eager, prompts, params)
         eager.shutdown()
 
@@ -95,6 +97,7 @@ def main() -> None:
         "dtype": str(dtype),
         "requests": args.requests,
         "max_tokens": args.max_tokens,
+        "page_size": args.page_size,
         "cuda_graphs": graphs,
         "ours_tok_s": ours_tok_s,
         "ours_eager_tok_s": eager_tok_s,

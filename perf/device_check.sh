@@ -7,8 +7,11 @@
 # Through the device tool, from the repository root, carrying the FlashMLA wheel and the default
 # tokenizer (the model's weights are too large to carry; the benchmarks use random weights):
 #   carry: .whl, models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
-#   command: bash perf/device_check.sh
+#   command: bash perf/device_check.sh            (every step)
+#            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
+#                                                  offline_llama offline_v2lite offline_v2lite_page64)
 set -u
+STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -17,10 +20,13 @@ if compgen -G ".whl/sgl_flash_mla-*.whl" > /dev/null; then
         && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 
+want() { [[ $STEPS == all || " $STEPS " == *" $1 "* ]]; }
+
 # step NAME SECONDS COMMAND...: run with a time limit, keep the whole log, show its tail.
 step() {
     local name=$1 limit=$2
     shift 2
+    want "$name" || return 0
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "rc=$?"
@@ -33,10 +39,16 @@ step pytest 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/tes
     tests/test_engine_batching.py tests/test_sampler.py \
     -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
 step bench_kernels 150 python3 perf/bench_kernels.py --out "$OUT"
-python3 -m engine.tools.make_random_checkpoint --arch llama --out /tmp/rand-llama > /dev/null
+if want offline_llama && [[ ! -d /tmp/rand-llama ]]; then
+    python3 -m engine.tools.make_random_checkpoint --arch llama --out /tmp/rand-llama > /dev/null
+fi
 step offline_llama 150 python3 perf/bench_offline.py --model /tmp/rand-llama \
     --json "$OUT/offline_llama.json"
-python3 -m engine.tools.make_random_checkpoint --preset v2-lite --layers 8 --out /tmp/rand-v2lite \
-    > /dev/null
+if { want offline_v2lite || want offline_v2lite_page64; } && [[ ! -d /tmp/rand-v2lite ]]; then
+    python3 -m engine.tools.make_random_checkpoint --preset v2-lite --layers 8 \
+        --out /tmp/rand-v2lite > /dev/null
+fi
 step offline_v2lite 240 python3 perf/bench_offline.py --model /tmp/rand-v2lite \
     --json "$OUT/offline_v2lite.json"
+step offline_v2lite_page64 240 python3 perf/bench_offline.py --model /tmp/rand-v2lite \
+    --page-size 64 --json "$OUT/offline_v2lite_page64.json"
