@@ -78,14 +78,16 @@ def test_shared_prefix_computes_only_new_tokens(default_model: str) -> None:
     _check_idle(llm)
 
 
-def test_small_pool_retracts_and_still_matches(tiny_mla) -> None:
+@pytest.mark.parametrize("page", [1, 16])
+def test_small_pool_retracts_and_still_matches(tiny_mla, page: int) -> None:
     model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
     prompts = [[1000 + 37 * i + j for j in range(12)] for i in range(8)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    # 8 requests x 42 tokens need 336 slots; the pool has 128.
+    # 8 requests x 42 tokens need 336 slots (24 pages of 16); the pool has 128.
     llm = LLM(
         model,
         dtype="float32",
+        page_size=page,
         max_total_tokens=128,
         max_running_requests=8,
         schedule_policy="fcfs",
