@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
+from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -92,12 +92,8 @@ def _extend_kernel(
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
         qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
-        m_i = m_new
 
     # The new tokens, causally: token i sees new tokens j <= i.
     end = tl.minimum((mblk + 1) * BLOCK_M, ext_len)
@@ -111,12 +107,8 @@ def _extend_kernel(
         qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
-        m_i = m_new
 
     out = acc / l_i[:, None]
     o_ptrs = o_ptr + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :]

@@ -12,7 +12,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.mla_decode import choose_num_kv_splits, merge_splits
-from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    dot,
+    is_interpreter,
+    online_softmax_step,
+    split_bounds,
+    store_split,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -39,11 +46,7 @@ def _gqa_decode_stage1(
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    row = tl.load(req_idx_ptr + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    row, start, end = split_bounds(seq_lens_ptr, req_idx_ptr, b, split, num_splits, True, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_H)
     mask_g = offs_g < group_size
@@ -55,9 +58,10 @@ def _gqa_decode_stage1(
     q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     scale = qk_scale
+    out_scale = 1.0
     if IS_FP8:
         k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+        out_scale = tl.load(v_scale_ptr)
         scale = scale * k_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -77,23 +81,13 @@ def _gqa_decode_stage1(
             v = v.to(q.dtype)
         qk = dot(q, k, UPCAST) * scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
 
-    base = b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
-    if end > start:
-        out = acc / l_i[:, None]
-        if IS_FP8:
-            out = out * v_scale
-        tl.store(mid_o_ptr + base + offs_dv[None, :], out, mask=mask_g[:, None] & mask_dv[None, :])
-        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_g)
-    else:
-        tl.store(ml_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_g)
+    store_split(
+        mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, heads, mask_g, offs_dv,
+        mask_dv, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
+    )  # fmt: skip
 
 
 def gqa_decode(

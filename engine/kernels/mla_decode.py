@@ -22,24 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot, has_fp8_cvt, is_interpreter, num_sms
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    dot,
+    has_fp8_cvt,
+    is_interpreter,
+    num_sms,
+    online_softmax_step,
+    split_bounds,
+    store_split,
+)
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _split_bounds(seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N):
-    """Table row and token range [start, end) of one split of request b."""
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    if HAS_ROW_IDX:
-        row = tl.load(row_idx_ptr + b).to(tl.int64)
-    else:
-        row = b.to(tl.int64)
-    # Split boundaries are multiples of BLOCK_N so that paged tiles stay inside one page.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-    return row, start, end
 
 
 @triton.jit
@@ -75,31 +69,6 @@ def _e4m3_to_f16(x, USE_PTX: tl.constexpr):
     else:
         y = x.to(tl.float16)
     return y
-
-
-@triton.jit
-def _store_split(
-    mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, nonempty,
-):  # fmt: skip
-    """Write one split's normalized output acc [H, C] and its log-sum-exp (log2 units).
-
-    `mid_o_ptr` may be the final output (one split): the store casts to its dtype.
-    """
-    mo_ptrs = (
-        mid_o_ptr
-        + b.to(tl.int64) * stride_mob
-        + offs_h[:, None] * stride_moh
-        + split * stride_mos
-        + offs_c[None, :]
-    )
-    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + offs_h * stride_mlh + split
-    if nonempty:
-        out = acc * (out_scale / l_i)[:, None]
-        tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=mask_h[:, None])
-        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_h)
-    else:
-        tl.store(ml_ptrs, tl.full(m_i.shape, float("-inf"), dtype=tl.float32), mask=mask_h)
 
 
 @triton.jit
@@ -141,7 +110,7 @@ def _mla_decode_stage1(
     hg = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    row, start, end = _split_bounds(
+    row, start, end = split_bounds(
         seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
     )
 
@@ -208,15 +177,11 @@ def _mla_decode_stage1(
         qk += dot(q_pe, tl.trans(pe), UPCAST)
         qk = qk * scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, UPCAST)
-        m_i = m_new
 
-    _store_split(
-        mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c,
+    store_split(
+        mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, None,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
     )  # fmt: skip
 

@@ -50,3 +50,61 @@ def dot(a, b, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
+
+
+# ---- pieces shared by the split-KV decode kernels (MLA and GQA) and the extend kernel ----------
+
+
+@triton.jit
+def online_softmax_step(qk, m_i, l_i):
+    """One tile of the streaming softmax, in log2 units: scores qk [M, N] (-inf where masked)
+    and the running max m_i and sum l_i [M] -> the tile's probabilities p, the factor alpha that
+    rescales what was accumulated so far, and the new running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def split_bounds(seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N):
+    """Table row and token range [start, end) of one split of request b."""
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    if HAS_ROW_IDX:
+        row = tl.load(row_idx_ptr + b).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    # Split boundaries are multiples of BLOCK_N so that paged tiles stay inside one page.
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    return row, start, end
+
+
+@triton.jit
+def store_split(
+    mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, mask_c,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, nonempty,
+):  # fmt: skip
+    """Write one split's normalized output acc [H, C] (times out_scale) and its log-sum-exp
+    (log2 units), for `merge_splits`. `mask_c` masks padded value columns (None: none).
+
+    `mid_o_ptr` may be the final output (one split): the store casts to its dtype.
+    """
+    mo_ptrs = (
+        mid_o_ptr
+        + b.to(tl.int64) * stride_mob
+        + offs_h[:, None] * stride_moh
+        + split * stride_mos
+        + offs_c[None, :]
+    )
+    ml_ptrs = mid_lse_ptr + b.to(tl.int64) * stride_mlb + offs_h * stride_mlh + split
+    if nonempty:
+        out = acc * (out_scale / l_i)[:, None]
+        mask = mask_h[:, None]
+        if mask_c is not None:
+            mask = mask & mask_c[None, :]
+        tl.store(mo_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=mask)
+        tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+    else:
+        tl.store(ml_ptrs, tl.full(m_i.shape, float("-inf"), dtype=tl.float32), mask=mask_h)
