@@ -99,11 +99,7 @@ def store_mla_kv_ref(
 ) -> None:
     """PyTorch reference for `store_mla_kv` (writes in place)."""
     src = latent_with_rope.reshape(latent_with_rope.shape[0], 1, -1)
-    if kv_buffer.dtype == torch.float8_e4m3fn:
-        assert k_scale is not None
-        kv_buffer[loc.long()] = quantize_fp8_ref(src, k_scale)
-    else:
-        kv_buffer[loc.long()] = src.to(kv_buffer.dtype)
+    _store_rows_ref(kv_buffer, loc, src, k_scale)
 
 
 def store_kv_ref(
@@ -116,9 +112,16 @@ def store_kv_ref(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """PyTorch reference for `store_kv` (writes in place)."""
-    for buf, x, scale in ((k_buffer, k, k_scale), (v_buffer, v, v_scale)):
-        if buf.dtype == torch.float8_e4m3fn:
-            assert scale is not None
-            buf[loc.long()] = quantize_fp8_ref(x, scale)
-        else:
-            buf[loc.long()] = x.to(buf.dtype)
+    _store_rows_ref(k_buffer, loc, k, k_scale)
+    _store_rows_ref(v_buffer, loc, v, v_scale)
+
+
+def _store_rows_ref(
+    buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """buf[loc] = x, quantized with `scale` for an fp8 buffer."""
+    if buf.dtype == torch.float8_e4m3fn:
+        assert scale is not None
+        buf[loc.long()] = quantize_fp8_ref(x, scale)
+    else:
+        buf[loc.long()] = x.to(buf.dtype)
