@@ -50,8 +50,6 @@ class Scheduler:
         self.config = config
         self.max_context_len = max_context_len
         self.max_running = max_running
-        # The pool's usable slots, in whole pages.
-        max_total_tokens -= max_total_tokens % config.page_size
         self.allocator = TokenSlotAllocator(max_total_tokens, config.page_size)
         self.tree = RadixCache(self.allocator, config.page_size, disable=config.disable_radix_cache)
         self.free_rows = list(range(max_running - 1, -1, -1))

@@ -38,11 +38,14 @@ class TritonBackend(TorchNativeBackend):
         meta["max_seq_len"] = max(fb.seq_lens_cpu)
         if fb.is_decode:
             return
+        if self.is_fp8 and not self.is_mla:
+            super().init_forward_metadata(fb)  # extend over an FP8 MHA pool is torch-native
+            return
         extend_lens = torch.tensor(fb.extend_lens_cpu, device=fb.seq_lens.device)
         meta["prefix_lens"] = torch.tensor(fb.prefix_lens_cpu, device=fb.seq_lens.device)
         meta["extend_start_loc"] = torch.cumsum(extend_lens, 0) - extend_lens
         meta["max_extend_len"] = max(fb.extend_lens_cpu)
-        if self.is_mla or self.is_fp8:
+        if self.is_mla:
             super().init_forward_metadata(fb)  # the context slots, for gather_context
             meta["context_start_loc"] = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
 
