@@ -11,13 +11,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.executor.model_runner import ModelRunner
-from engine.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, make_generator
+from engine.executor.model_runner import ModelRunner, SampleRequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Req
@@ -33,7 +31,6 @@ class _ReqState:
     req: Req
     callback: Callback
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
     stop_ids: frozenset[int]
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
@@ -51,7 +48,6 @@ class EngineCore:
             self.runner.max_context_len,
             self.runner.max_running_requests,
         )
-        self.sampler = Sampler()
         self.states: dict[str, _ReqState] = {}
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
 
@@ -95,9 +91,6 @@ class EngineCore:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
             ),
-            generator=None
-            if params.seed is None
-            else make_generator(params.seed, self.runner.device),
             stop_ids=frozenset(stop_ids),
         )
 
@@ -115,18 +108,13 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out is None:
             return False
-        logits = self.runner.forward(out.batch)
-        next_ids: dict[int, int] = {}
+        sampled = self.runner.forward_and_sample(
+            out.batch, out.sample_rows, [self._sample_request(out.reqs[i]) for i in out.sample_rows]
+        )
+        next_ids = dict(zip(out.sample_rows, sampled.next_token_ids, strict=True))
         logprobs: dict[int, float] = {}
-        if out.sample_rows:
-            reqs = [out.reqs[i] for i in out.sample_rows]
-            if out.sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
-                logits = logits[torch.tensor(out.sample_rows, device=logits.device)]
-            chosen = self._sample(logits, reqs)
-            # NOTE: one device-to-host copy for the whole batch, not one per request.
-            next_ids = dict(zip(out.sample_rows, chosen.next_token_ids.tolist(), strict=True))
-            if chosen.logprobs is not None:
-                logprobs = dict(zip(out.sample_rows, chosen.logprobs.tolist(), strict=True))
+        if sampled.logprobs is not None:
+            logprobs = dict(zip(out.sample_rows, sampled.logprobs, strict=True))
         row_of = {id(req): row for row, req in enumerate(out.reqs)}
         for req in self.scheduler.process_batch(out, next_ids):
             self._on_token(self.states[req.rid], logprobs.get(row_of[id(req)]))
@@ -134,21 +122,17 @@ class EngineCore:
             self.scheduler.check_integrity()
         return True
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-        states = [self.states[r.rid] for r in reqs]
+    def _sample_request(self, req: Req) -> SampleRequest:
+        st = self.states[req.rid]
         # min_tokens: a request may not stop on a token before it has that many.
-        suppressed = [
-            sorted(st.stop_ids) if len(st.req.output_ids) < st.req.params.min_tokens else []
-            for st in states
-        ]
-        info = SamplingBatchInfo.from_params(
-            [r.params for r in reqs],
-            [st.generator for st in states],
-            logits.device,
-            suppressed if any(suppressed) else None,
+        below_min = len(req.output_ids) < req.params.min_tokens
+        penalized = req.params.repetition_penalty != 1.0
+        return SampleRequest(
+            req.rid,
+            req.params,
+            req.all_ids if penalized else [],
+            sorted(st.stop_ids) if below_min else [],
         )
-        history = [r.all_ids for r in reqs] if info.penalized_rows else None
-        return self.sampler(logits, info, history)
 
     def _on_token(self, state: _ReqState, logprob: float | None) -> None:
         req, params = state.req, state.req.params
@@ -173,6 +157,7 @@ class EngineCore:
     def _finish(self, state: _ReqState, reason: str, keep_kv: bool = True) -> None:
         req = state.req
         self.scheduler.finish(req, reason, keep_kv)
+        self.runner.release_request(req.rid)
         del self.states[req.rid]
         self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
         delta = state.pending or RequestOutput(request_id=req.rid)

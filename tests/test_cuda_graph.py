@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
+import threading
+import time
 
-from engine import LLM, SamplingParams
-from engine.executor.cuda_graph_runner import capture_sizes
+import pytest
+import torch
+
+from engine import LLM, AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_sizes
 from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(3 + 9 * i)] for i in range(5)]
@@ -66,3 +71,76 @@ def test_graph_decode_matches_eager(which: str, request: pytest.FixtureRequest) 
         diff = (_decode_logits(eager, n) - _decode_logits(graph, n)).abs().max().item()
         assert diff < 1e-4, (n, diff)
     assert graphs.replays == before + 2
+
+
+@pytest.mark.cuda
+def test_capture_beside_a_running_async_engine(tiny_mla) -> None:
+    """Issue 10: a graph capture while another engine's loop thread runs steps (the same process,
+    after other engines ran) must neither fail nor poison the process's CUDA RNG."""
+    model = tiny_mla("v2", moe=True, q_lora_rank=None)
+    common = dict(model=model, dtype="float32", max_total_tokens=4096, attention_backend="triton")
+    LLM(**common).generate([[7, 8, 9]], SamplingParams(max_tokens=4))  # an engine ran before
+    engine = AsyncEngine(EngineConfig(enable_cuda_graph=True, cuda_graph_max_bs=8, **common))
+    assert engine.core.runner.graph_runner is not None
+    prompts = [[200 + 13 * i + j for j in range(5 + 3 * i)] for i in range(8)]
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=120, temperature=0.8, ignore_eos=True)  # default RNG
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(8)}
+    reasons: dict[str, str] = {}
+    done = threading.Event()
+
+    def on_delta(delta: RequestOutput) -> None:
+        tokens[delta.request_id] += delta.token_ids
+        if delta.finished:
+            reasons[delta.request_id] = delta.finish_reason or ""
+            if len(reasons) == len(tokens):
+                done.set()
+
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, sampled if i % 4 == 3 else greedy, on_delta)
+        while min(len(t) for t in tokens.values()) < 2:
+            time.sleep(0.01)
+        for rid in ("r1", "r5"):
+            engine.abort(rid)
+        # Captured while the loop thread decodes (and samples with the default generator).
+        other = LLM(enable_cuda_graph=True, cuda_graph_max_bs=8, **common)
+        assert other.core.runner.graph_runner is not None
+        assert done.wait(120), reasons
+        assert reasons.pop("r1") == reasons.pop("r5") == "abort"
+        assert set(reasons.values()) == {"length"}
+        expected = other.generate([prompts[i] for i in (0, 2, 4, 6)], greedy)
+        assert [tokens[f"r{i}"] for i in (0, 2, 4, 6)] == [o.token_ids for o in expected]
+        assert engine.stats().num_running == 0
+        torch.nn.init.normal_(torch.empty(16, device="cuda"))  # the default generator works
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.cuda
+def test_failed_capture_falls_back_to_eager(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A capture that fails leaves a usable process: eager decode, a warning, working RNG."""
+    common = dict(dtype="float32", max_total_tokens=512, attention_backend="triton")
+    real_run = CudaGraphRunner._run_model
+
+    def sync_while_capturing(self: CudaGraphRunner, fb: object) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted during capture: invalidates it
+        return real_run(self, fb)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CudaGraphRunner, "_run_model", sync_while_capturing)
+    with caplog.at_level(logging.WARNING):
+        broken = LLM(tiny_llama, enable_cuda_graph=True, cuda_graph_max_bs=4, **common)
+    assert broken.core.runner.graph_runner is None
+    assert "capture failed" in caplog.text and "batch size 4" in caplog.text
+    torch.nn.init.normal_(torch.empty(16, device="cuda"))  # the default generator works
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = LLM(tiny_llama, enable_cuda_graph=False, **common).generate(PROMPTS, params)
+    assert [o.token_ids for o in broken.generate(PROMPTS, params)] == [o.token_ids for o in eager]
+    monkeypatch.undo()
+    again = LLM(tiny_llama, enable_cuda_graph=True, cuda_graph_max_bs=4, **common)
+    assert again.core.runner.graph_runner is not None
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    assert all(len(o.token_ids) == 8 for o in again.generate(PROMPTS, sampled))

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class CaptureError(RuntimeError):
+    """A graph could not be captured and the device is no longer usable."""
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
     sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
@@ -51,9 +55,16 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        # NOTE: one dedicated stream for warm-up and capture. The capture is thread-local, so
+        # CUDA calls from other threads (another engine's loop) cannot invalidate it; the
+        # default CUDA generator is process-wide, so callers hold DEVICE_LOCK around us too.
+        self.stream = torch.cuda.Stream(dev)
         t0 = time.perf_counter()
         for bs in reversed(self.capture_sizes):  # largest first: later graphs reuse its memory
-            self._capture(bs)
+            try:
+                self._capture(bs)
+            except Exception as e:
+                raise RuntimeError(f"capturing the decode graph of batch size {bs}: {e}") from e
         logger.info(
             "captured CUDA graphs for decode batch sizes %s in %.1f s",
             self.capture_sizes,
@@ -86,16 +97,19 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         fb = self._static_batch(bs)
-        # Warm up on a side stream first (Triton compiles its kernels, the allocator settles).
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        # Warm up first (Triton compiles its kernels, the allocator settles).
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for _ in range(2):
                 self._run_model(fb)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[bs] = self._run_model(fb)
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                self.logits[bs] = self._run_model(fb)
+            finally:
+                graph.capture_end()  # raises when the capture was invalidated
+        torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[bs] = graph
 
     def can_run(self, fb: ForwardBatch) -> bool:
@@ -120,3 +134,26 @@ class CudaGraphRunner:
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:bs]
+
+
+def capture_graphs(runner: ModelRunner, max_bs: int) -> CudaGraphRunner | None:
+    """Capture the decode graphs; on failure log a warning and return None (decode runs eagerly).
+
+    A failed capture leaves the default CUDA generators in capture mode (PyTorch ends their
+    capture only after a successful one), which breaks every later random draw in the process;
+    their states are restored from copies taken before. If the device itself is broken after the
+    failure, raise CaptureError instead.
+    """
+    generators = list(torch.cuda.default_generators)
+    saved = [g.clone_state() for g in generators]
+    try:
+        return CudaGraphRunner(runner, max_bs)
+    except Exception as e:
+        for gen, state in zip(generators, saved, strict=True):
+            gen.graphsafe_set_state(state)
+        try:
+            torch.cuda.synchronize(runner.device)
+        except Exception as sticky:
+            raise CaptureError(f"a failed graph capture left the GPU unusable: {e}") from sticky
+        logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e)
+        return None

@@ -12,20 +12,25 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
-from engine.executor.cuda_graph_runner import CudaGraphRunner
+from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_graphs
+from engine.executor.device_lock import DEVICE_LOCK
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 from engine.executor.loader import load_weights
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
 from engine.layers.attention.triton_backend import TritonBackend
+from engine.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, make_generator
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+@dataclass
+class SampleRequest:
+    """What sampling needs to know of one request in a step (plain values, no tensors)."""
+
+    rid: str
+    params: SamplingParams
+    history: list[int]  # prompt + output ids so far; only read with repetition_penalty
+    suppressed_ids: list[int]  # ids it may not produce this step (EOS below min_tokens)
+
+
+class StepOutput(NamedTuple):
+    next_token_ids: list[int]  # one per sampled row
+    logprobs: list[float] | None  # raw logprob of each chosen token, when any row asked
+
+
 class ModelRunner:
     """One rank's model, KV pool and request table.
 
@@ -98,8 +118,11 @@ class ModelRunner:
             self.workers, parallel = start_tp_group(config, self.device)
             weakref.finalize(self, self.workers.shutdown)
         self.parallel = parallel or ParallelState()
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
         try:
-            self._init_model_and_memory()
+            with DEVICE_LOCK:  # seeds, builds and captures: no other engine's step meanwhile
+                self._init_model_and_memory()
         except BaseException:
             self.shutdown()
             raise
@@ -131,7 +154,7 @@ class ModelRunner:
         )
         self.graph_runner: CudaGraphRunner | None = None
         if self._use_cuda_graph():
-            self.graph_runner = CudaGraphRunner(
+            self.graph_runner = capture_graphs(
                 self, min(config.cuda_graph_max_bs, self.max_running_requests)
             )
         if self.workers is not None:
@@ -259,13 +282,52 @@ class ModelRunner:
         """Run the batch; return float32 logits of each request's last token [B, V], or of every
         input token [T, V] when `all_logits`."""
         assert batch.mode == ForwardMode.DECODE or batch.num_tokens > 0
-        if self.workers is not None:
-            self.workers.send(batch, all_logits)
-        fb = self.prepare(batch)
-        if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.replay(fb)  # decode: one token, so last = all
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        if not all_logits:
-            last = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        with DEVICE_LOCK:
+            if self.workers is not None:
+                self.workers.send(batch, all_logits)
+            fb = self.prepare(batch)
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                return self.graph_runner.replay(fb)  # decode: one token, so last = all
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            if not all_logits:
+                last = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1
+                hidden = hidden[last]
+            return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward_and_sample(
+        self, batch: ScheduledBatch, sample_rows: list[int], requests: list[SampleRequest]
+    ) -> StepOutput:
+        """Run the batch and draw the next token of the rows in `sample_rows` (a prefill chunk
+        that does not end its prompt samples nothing); `requests[i]` describes row
+        `sample_rows[i]`. One device-to-host copy for the whole batch."""
+        with DEVICE_LOCK:
+            logits = self.forward(batch)
+            if not sample_rows:
+                return StepOutput([], None)
+            if sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
+                logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            chosen = self._sample(logits, requests)
+            logprobs = None if chosen.logprobs is None else chosen.logprobs.tolist()
+            return StepOutput(chosen.next_token_ids.tolist(), logprobs)
+
+    def release_request(self, rid: str) -> None:
+        """Forget a finished request's sampling state (its seeded generator)."""
+        self._generators.pop(rid, None)
+
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
+        generators: list[torch.Generator | None] = []
+        for r in requests:
+            gen = self._generators.get(r.rid)
+            if gen is None and r.params.seed is not None:
+                gen = self._generators[r.rid] = make_generator(r.params.seed, self.device)
+            generators.append(gen)
+        suppressed = [r.suppressed_ids for r in requests]
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in requests],
+            generators,
+            logits.device,
+            suppressed if any(suppressed) else None,
+        )
+        history = [r.history for r in requests] if info.penalized_rows else None
+        return self.sampler(logits, info, history)
