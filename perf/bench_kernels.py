@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from engine.kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
-    choose_num_kv_splits,
     default_config,
     mla_decode,
     mla_decode_paged,
 )
+from engine.kernels.utils import choose_num_kv_splits  # noqa: E402
 
 C, R, PAGE = 512, 64, 64
 HEADS = (16, 128)
@@ -383,7 +383,8 @@ MOE_TOKENS = (1, 16, 64, 256, 1024)
 
 def bench_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> str:
     """DeepSeek-V2-Lite's MoE shape: 64 experts, top-6, hidden 2048, moe_intermediate 1408."""
-    from engine.kernels.fused_moe import fused_moe, fused_moe_ref
+    from engine.kernels.fused_moe import fused_moe
+    from engine.kernels.reference import fused_moe_ref
 
     e, k, h, i = 64, 6, 2048, 1408
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -175,24 +175,3 @@ def fused_moe(
     down = hidden.new_empty((num_tokens * top_k, hidden_size))
     _moe_gemm(act, w2, down, weights, align, top_k, hidden_size, False, False, True, cfg)
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
-
-
-def fused_moe_ref(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """Per-expert PyTorch loop (fp32 math), the reference and the benchmark's baseline."""
-    num_tokens, hidden_size = hidden.shape
-    inter = w13.shape[1] // 2
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-    x = hidden.float()
-    for e in torch.unique(topk_ids).tolist():
-        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-        h = x[tok] @ w13[e].float().T
-        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        y = a @ w2[e].float().T
-        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
-    return out.to(hidden.dtype)

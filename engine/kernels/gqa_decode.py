@@ -1,7 +1,7 @@
 """GQA/MHA decode attention for the Llama path: the grouped split-KV design of mla_decode.py.
 
 One program takes one KV head and the query heads that share it (padded to 16 rows for the
-MMA), over one split of the context; stage 2 (shared with MLA) merges splits by log-sum-exp.
+MMA), over one split; stage 2 (`merge_splits`, shared with MLA) merges splits by log-sum-exp.
 Slots are read through `req_to_token` (page size 1). FP8 pools are dequantized in registers.
 """
 
@@ -11,11 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.mla_decode import choose_num_kv_splits, merge_splits
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
+    choose_num_kv_splits,
     dot,
     is_interpreter,
+    merge_splits,
     online_softmax_step,
     split_bounds,
     store_split,
@@ -140,28 +141,3 @@ def gqa_decode(
     out = q.new_empty((batch, num_q_heads, dv_pow2))
     merge_splits(mid_o, mid_lse, out)
     return out[..., :v_head_dim]
-
-
-def gqa_decode_ref(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """PyTorch reference for `gqa_decode`, in fp32; returns q's dtype."""
-    kf = k_buffer.float() * (k_scale.float() if k_scale is not None else 1.0)
-    vf = v_buffer.float() * (v_scale.float() if v_scale is not None else 1.0)
-    group = q.shape[1] // k_buffer.shape[1]
-    outs = []
-    for b in range(q.shape[0]):
-        slots = req_to_token[int(req_pool_indices[b]), : int(seq_lens[b])].long()
-        k = kf[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = vf[slots].repeat_interleave(group, dim=1)
-        s = torch.einsum("hd,lhd->hl", q[b].float(), k) * sm_scale
-        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v))
-    return torch.stack(outs).to(q.dtype)

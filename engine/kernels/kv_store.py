@@ -1,7 +1,8 @@
 """Write new KV rows into the token-slot pools, quantizing to FP8 (e4m3) where the pool is FP8.
 
 One program writes one token's row (all of its heads): `buffer[loc[t]] = rows[t]`, or
-`clamp(rows[t] / scale, -448, 448)` cast to e4m3 for an FP8 pool with a per-layer scale.
+`clamp(rows[t] / scale, -FP8_MAX, FP8_MAX)` cast to e4m3 for an FP8 pool with a per-layer scale
+(what `engine.kernels.fp8.quantize_fp8` computes).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-_FP8_MAX = 448.0
+from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -24,6 +25,7 @@ def _store_rows_kernel(
     D,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     dblk = tl.program_id(1)
@@ -32,7 +34,7 @@ def _store_rows_kernel(
     mask = offs < D
     x = tl.load(src_ptr + t.to(tl.int64) * stride_src + offs, mask=mask, other=0.0)
     if IS_FP8:
-        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -448.0, 448.0)
+        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
         tl.store(dst_ptr + slot * stride_dst + offs, y.to(dst_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(dst_ptr + slot * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
@@ -46,14 +48,14 @@ def _store_rows(
     if num_tokens == 0:
         return
     assert dst.stride(-1) == 1 and src.stride(-1) == 1
-    is_fp8 = dst.dtype == torch.float8_e4m3fn
+    is_fp8 = dst.dtype == FP8_DTYPE
     if is_fp8:
         assert scale is not None, "an fp8 pool needs its scale"
     block_d = min(1024, triton.next_power_of_2(dim))
     grid = (num_tokens, triton.cdiv(dim, block_d))
     _store_rows_kernel[grid](
         src, dst, loc, scale if scale is not None else loc, src.stride(0), dst.stride(0), dim,
-        BLOCK_D=block_d, IS_FP8=is_fp8, num_warps=4,
+        BLOCK_D=block_d, IS_FP8=is_fp8, FP8_MAX=FP8_MAX, num_warps=4,
     )  # fmt: skip
 
 
@@ -83,45 +85,3 @@ def store_kv(
     v [T, Hkv, Dv]; loc [T]."""
     _store_rows(k_buffer.view(k_buffer.shape[0], -1), loc, k.reshape(k.shape[0], -1), k_scale)
     _store_rows(v_buffer.view(v_buffer.shape[0], -1), loc, v.reshape(v.shape[0], -1), v_scale)
-
-
-def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale, clamped to e4m3's range, cast to float8_e4m3fn."""
-    y = (x.to(torch.float32) / scale.to(torch.float32)).clamp(-_FP8_MAX, _FP8_MAX)
-    return y.to(torch.float8_e4m3fn)
-
-
-def store_mla_kv_ref(
-    kv_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    latent_with_rope: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-) -> None:
-    """PyTorch reference for `store_mla_kv` (writes in place)."""
-    src = latent_with_rope.reshape(latent_with_rope.shape[0], 1, -1)
-    _store_rows_ref(kv_buffer, loc, src, k_scale)
-
-
-def store_kv_ref(
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """PyTorch reference for `store_kv` (writes in place)."""
-    _store_rows_ref(k_buffer, loc, k, k_scale)
-    _store_rows_ref(v_buffer, loc, v, v_scale)
-
-
-def _store_rows_ref(
-    buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
-) -> None:
-    """buf[loc] = x, quantized with `scale` for an fp8 buffer."""
-    if buf.dtype == torch.float8_e4m3fn:
-        assert scale is not None
-        buf[loc.long()] = quantize_fp8_ref(x, scale)
-    else:
-        buf[loc.long()] = x.to(buf.dtype)

@@ -15,7 +15,6 @@ softmax scale for QK and into the output for PV.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -24,10 +23,11 @@ import triton.language as tl
 
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
+    choose_num_kv_splits,
     dot,
     has_fp8_cvt,
     is_interpreter,
-    num_sms,
+    merge_splits,
     online_softmax_step,
     split_bounds,
     store_split,
@@ -186,42 +186,6 @@ def _mla_decode_stage1(
     )  # fmt: skip
 
 
-@triton.jit
-def _mla_decode_stage2(
-    mid_o_ptr,  # [B, H, S, C] fp32
-    mid_lse_ptr,  # [B, H, S] fp32
-    o_ptr,  # [B, H, C]
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.arange(0, C)
-    ml_base = mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh
-    lse = tl.load(ml_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    mo_base = mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh
-    acc = tl.zeros([C], dtype=tl.float32)
-    for s in range(num_splits):
-        ws = tl.exp2(tl.load(ml_base + s) - m)
-        if ws > 0.0:
-            acc += ws * tl.load(mo_base + s * stride_mos + offs_c)
-    out = acc / denom
-    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
-
-
 class MLADecodeConfig(NamedTuple):
     block_h: int
     block_n: int
@@ -242,39 +206,6 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int) -> MLADecodeCon
     if is_fp8:
         return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
     return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
-
-
-def choose_num_kv_splits(
-    batch: int,
-    num_heads: int,
-    max_seq_len: int,
-    block_h: int = 16,
-    block_n: int = 64,
-    sms: int | None = None,
-    waves: float = 2.0,
-    min_tokens_per_split: int = 256,
-) -> int:
-    """Split count so that batch x head groups x splits fills about `waves` waves of the SMs.
-
-    Each split keeps at least `min_tokens_per_split` tokens, so short contexts are not cut into
-    pieces whose merge costs more than it saves.
-    """
-    sms = sms if sms is not None else num_sms()
-    programs = batch * math.ceil(num_heads / block_h)
-    want = int(waves * sms) // max(programs, 1)
-    most = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
-    return int(max(1, min(want, most, 64)))
-
-
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
-    batch, num_heads, num_splits, dv = mid_o.shape
-    _mla_decode_stage2[(num_heads, batch)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        C=dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        num_warps=4 if dv >= 256 else 1,
-    )  # fmt: skip
 
 
 def _launch(
@@ -417,62 +348,3 @@ def mla_decode_paged(
         q, kv, block_table, None, seq_lens, kv_lora_rank, sm_scale, k_scale, page_size,
         num_kv_splits, max_seq_len, config,
     )  # fmt: skip
-
-
-def _dequant(kv: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor:
-    if kv.dtype == torch.float8_e4m3fn:
-        assert k_scale is not None
-        return kv.to(torch.float32) * k_scale.to(torch.float32)
-    return kv.to(torch.float32)
-
-
-def mla_attention_ref(
-    q: torch.Tensor, kv_rows: list[torch.Tensor], kv_lora_rank: int, sm_scale: float
-) -> torch.Tensor:
-    """q [B, H, C + R] and one [L_b, C + R] fp32 row block per request -> o [B, H, C] fp32."""
-    outs = []
-    for b, rows in enumerate(kv_rows):
-        s = q[b].float() @ rows.T * sm_scale  # [H, L]
-        outs.append(torch.softmax(s, dim=-1) @ rows[:, :kv_lora_rank])
-    return torch.stack(outs)
-
-
-def mla_decode_ref(
-    q: torch.Tensor,
-    kv_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_lora_rank: int,
-    sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """PyTorch reference for `mla_decode`, in fp32. Returns [B, H, C] in q's dtype."""
-    kv = _dequant(kv_buffer[:, 0], k_scale)
-    rows = []
-    for b in range(q.shape[0]):
-        n = int(seq_lens[b])
-        slots = req_to_token[int(req_pool_indices[b]), :n].long()
-        rows.append(kv[slots])
-    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)
-
-
-def mla_decode_paged_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_lora_rank: int,
-    sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """PyTorch reference for `mla_decode_paged`, in fp32."""
-    page_size = kv_cache.shape[1]
-    kv = _dequant(kv_cache.flatten(0, 1)[:, 0], k_scale)
-    rows = []
-    for b in range(q.shape[0]):
-        n = int(seq_lens[b])
-        pos = torch.arange(n, device=q.device)
-        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
-        rows.append(kv[slots])
-    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)

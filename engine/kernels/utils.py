@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -108,3 +109,73 @@ def store_split(
         tl.store(ml_ptrs, m_i + tl.log2(l_i), mask=mask_h)
     else:
         tl.store(ml_ptrs, tl.full(m_i.shape, float("-inf"), dtype=tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    mid_o_ptr,  # [B, H, S, C] fp32
+    mid_lse_ptr,  # [B, H, S] fp32
+    o_ptr,  # [B, H, C]
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (head, request): the splits' outputs weighted by their share of the softmax sum."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, C)
+    ml_base = mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh
+    lse = tl.load(ml_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    mo_base = mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh
+    acc = tl.zeros([C], dtype=tl.float32)
+    for s in range(num_splits):
+        ws = tl.exp2(tl.load(ml_base + s) - m)
+        if ws > 0.0:
+            acc += ws * tl.load(mo_base + s * stride_mos + offs_c)
+    out = acc / denom
+    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+def choose_num_kv_splits(
+    batch: int,
+    num_heads: int,
+    max_seq_len: int,
+    block_h: int = 16,
+    block_n: int = 64,
+    sms: int | None = None,
+    waves: float = 2.0,
+    min_tokens_per_split: int = 256,
+) -> int:
+    """Split count so that batch x head groups x splits fills about `waves` waves of the SMs.
+
+    Each split keeps at least `min_tokens_per_split` tokens, so short contexts are not cut into
+    pieces whose merge costs more than it saves.
+    """
+    sms = sms if sms is not None else num_sms()
+    programs = batch * math.ceil(num_heads / block_h)
+    want = int(waves * sms) // max(programs, 1)
+    most = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
+    return int(max(1, min(want, most, 64)))
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
+    batch, num_heads, num_splits, dv = mid_o.shape
+    _merge_splits_kernel[(num_heads, batch)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        C=dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4 if dv >= 256 else 1,
+    )  # fmt: skip

@@ -128,20 +128,24 @@ def moe_forward_native(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Reference MoE: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k] -> [T, H].
+    """Reference MoE: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, k] -> [T, H] in x's dtype.
 
     Loops over the experts that received tokens; each token's output is the weighted sum of its
-    experts' SiLU-gated MLPs.
+    experts' SiLU-gated MLPs. `compute_dtype` (default x's dtype) is what the math and the sum
+    run in; weights are cast one expert at a time (the kernels' reference passes float32).
     """
-    out = torch.zeros_like(x)
+    dtype = compute_dtype or x.dtype
+    xc = x.to(dtype)
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
     weight_of = topk_weights.reshape(-1)
     for expert in torch.unique(flat_ids).tolist():
         sel = (flat_ids == expert).nonzero(as_tuple=True)[0]
         tokens = token_of[sel]
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
-        out.index_add_(0, tokens, (y * weight_of[sel, None]).to(out.dtype))
-    return out
+        gate, up = F.linear(xc[tokens], w13[expert].to(dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert].to(dtype))
+        out.index_add_(0, tokens, (y * weight_of[sel, None]).to(dtype))
+    return out.to(x.dtype)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 class KVPool:
@@ -44,12 +43,12 @@ class KVPool:
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.store_dtype != FP8_DTYPE:
             return x.to(self.store_dtype)
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return quantize_fp8(x, scale)
 
     def _dequantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.store_dtype != FP8_DTYPE:
             return x
-        return (x.float() * scale).to(self.dtype)
+        return dequantize_fp8(x, scale, self.dtype)
 
 
 def _store_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.extend import (
-    extend_attention,
-    extend_attention_ref,
-    ragged_attention,
-    ragged_attention_ref,
-)
+from engine.kernels.extend import extend_attention, ragged_attention
+from engine.kernels.reference import extend_attention_ref, ragged_attention_ref
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size
+from engine.kernels.fused_moe import fused_moe, moe_align_block_size
+from engine.kernels.reference import fused_moe_ref
 
 
 def test_moe_align_block_size(device: torch.device) -> None:

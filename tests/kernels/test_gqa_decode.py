@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.gqa_decode import gqa_decode, gqa_decode_ref
-from engine.kernels.kv_store import quantize_fp8_ref
+from engine.kernels.fp8 import quantize_fp8
+from engine.kernels.gqa_decode import gqa_decode
+from engine.kernels.reference import gqa_decode_ref
 
 
 def _inputs(
@@ -57,7 +58,7 @@ def test_gqa_decode_fp8(device: torch.device) -> None:
     q, k, v, rt, rows, lens = _inputs([7, 33], 8, 2, 32, 32, device)
     ks = torch.tensor([0.01], device=device)
     vs = torch.tensor([0.02], device=device)
-    k8, v8 = quantize_fp8_ref(k, ks), quantize_fp8_ref(v, vs)
+    k8, v8 = quantize_fp8(k, ks), quantize_fp8(v, vs)
     q = q.to(torch.bfloat16)
     out = gqa_decode(q, k8, v8, rt, rows, lens, 0.2, k_scale=ks, v_scale=vs, num_kv_splits=2)
     ref = gqa_decode_ref(q, k8, v8, rt, rows, lens, 0.2, k_scale=ks, v_scale=vs)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.kv_store import store_kv, store_kv_ref, store_mla_kv, store_mla_kv_ref
+from engine.kernels.kv_store import store_kv, store_mla_kv
+from engine.kernels.reference import store_kv_ref, store_mla_kv_ref
 
 C, R = 64, 16
 

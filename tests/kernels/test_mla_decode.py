@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.kv_store import quantize_fp8_ref, store_mla_kv
-from engine.kernels.mla_decode import (
-    MLADecodeConfig,
-    choose_num_kv_splits,
-    mla_decode,
-    mla_decode_paged,
-    mla_decode_paged_ref,
-    mla_decode_ref,
-)
+from engine.kernels.fp8 import quantize_fp8
+from engine.kernels.kv_store import store_mla_kv
+from engine.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_paged
+from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
+from engine.kernels.utils import choose_num_kv_splits
 
 C, R = 64, 16  # kv_lora_rank, rope dim (576 = 512 + 64 on real models)
 
@@ -96,7 +92,7 @@ def test_mla_decode_fp8(seq_lens: list[int], splits: int, device: torch.device) 
         seq_lens, 16, torch.float32, seed=5, device=device
     )
     k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
-    kv8 = quantize_fp8_ref(kv, k_scale)
+    kv8 = quantize_fp8(kv, k_scale)
     q = q.to(torch.bfloat16)
     scale = (C + R) ** -0.5
     cfg = _small_config(device)
@@ -113,7 +109,7 @@ def test_mla_decode_fp8_large_q(device: torch.device) -> None:
     """q beyond fp16's range is scaled down in the kernel instead of overflowing."""
     q, kv, req_to_token, rows, lens = _pool_inputs([40], 16, torch.float32, seed=8, device=device)
     k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
-    kv8 = quantize_fp8_ref(kv, k_scale)
+    kv8 = quantize_fp8(kv, k_scale)
     q = (q * 2e5).to(torch.bfloat16)
     scale = 1e-6
     out = mla_decode(
@@ -134,7 +130,7 @@ def test_mla_decode_paged(fp8: bool, device: torch.device) -> None:
     cache = torch.randn(num_pages, page, 1, C + R, generator=g)
     k_scale = torch.tensor([0.03])
     if fp8:
-        cache = quantize_fp8_ref(cache, k_scale)
+        cache = quantize_fp8(cache, k_scale)
     block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
     block_table = block_table.view(len(seq_lens), max_pages).int()
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -184,7 +180,7 @@ def test_mla_decode_paged_slots(page: int, fp8: bool, device: torch.device) -> N
     kv[:page] = 1e4  # page 0 is the padding page: reading it would show in the output
     k_scale = torch.tensor([0.03])
     if fp8:
-        kv = quantize_fp8_ref(kv, k_scale)
+        kv = quantize_fp8(kv, k_scale)
     pages = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     rows = torch.tensor([2, 0, 3, 1])
     req_to_token = torch.zeros(4, max(seq_lens) + page, dtype=torch.int32)

@@ -1,0 +1,223 @@
+"""Plain-PyTorch references of the Triton kernels: what the kernel tests compare against and the
+benchmarks' baselines. Not used by the engine at run time.
+
+Each `<kernel>_ref` takes the kernel's arguments (less its tuning knobs) and computes in fp32.
+The maths is the engine's torch-native code where that exists, so kernels and CPU path are
+checked against one definition: attention is the torch-native backend's causal attention, the
+MoE is the per-expert loop of `engine.layers.moe`, FP8 is `engine.kernels.fp8`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from engine.layers.attention.base import AttentionLayer
+from engine.layers.attention.torch_native import _causal_attention
+from engine.layers.moe import moe_forward_native
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, sm_scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] at positions prefix_len.. over a whole context k [L, Hkv, D], v [L, Hkv, Dv]
+    -> [n, Hq, Dv] in fp32: query i sees keys 0..prefix_len + i (a decode: n = 1, prefix L - 1).
+    """
+    # NOTE: the torch-native backend's function reads only the head counts and the scale from
+    # its layer argument.
+    layer = AttentionLayer(0, q.shape[1], k.shape[1], q.shape[2], v.shape[2], sm_scale)
+    return _causal_attention(q.float(), k.float(), v.float(), prefix_len, layer)
+
+
+def _decode_attention(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], sm_scale: float
+) -> torch.Tensor:
+    """q [B, H, D]; request b's whole context ks[b] [L_b, Hkv, D], vs[b] [L_b, Hkv, Dv]
+    -> [B, H, Dv] fp32: each request's one query sees all of its context."""
+    outs = [
+        causal_attention(q[b : b + 1], k, v, k.shape[0] - 1, sm_scale)[0]
+        for b, (k, v) in enumerate(zip(ks, vs, strict=True))
+    ]
+    return torch.stack(outs)
+
+
+def _dequant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A pool's rows in fp32: FP8 rows times their scale, others as they are."""
+    if x.dtype == FP8_DTYPE:
+        assert scale is not None, "an fp8 pool needs its scale"
+        return dequantize_fp8(x, scale)
+    return x.float()
+
+
+def _context_slots(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor
+) -> list[torch.Tensor]:
+    """Slot ids of positions 0..lens[b] - 1 of each request, read through req_to_token."""
+    return [
+        req_to_token[int(row), : int(n)].long()
+        for row, n in zip(req_pool_indices, lens, strict=True)
+    ]
+
+
+def mla_attention_ref(
+    q: torch.Tensor, kv_rows: list[torch.Tensor], kv_lora_rank: int, sm_scale: float
+) -> torch.Tensor:
+    """q [B, H, C + R] and one [L_b, C + R] fp32 row block per request -> o [B, H, C] fp32.
+
+    Absorbed MLA is attention with one KV head whose value is the latent part of the key."""
+    ks = [rows[:, None] for rows in kv_rows]
+    return _decode_attention(q, ks, [k[..., :kv_lora_rank] for k in ks], sm_scale)
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for `mla_decode` (page size 1 addressing). Returns [B, H, C] in q's dtype."""
+    kv = _dequant(kv_buffer[:, 0], k_scale)
+    rows = [kv[s] for s in _context_slots(req_to_token, req_pool_indices, seq_lens)]
+    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)
+
+
+def mla_decode_paged_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for `mla_decode_paged`. Returns [B, H, C] in q's dtype."""
+    page_size = kv_cache.shape[1]
+    kv = _dequant(kv_cache.flatten(0, 1)[:, 0], k_scale)
+    rows = []
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(seq_lens[b]), device=q.device)
+        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
+        rows.append(kv[slots])
+    return mla_attention_ref(q, rows, kv_lora_rank, sm_scale).to(q.dtype)
+
+
+def gqa_decode_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference for `gqa_decode`. Returns [B, Hq, Dv] in q's dtype."""
+    k, v = _dequant(k_buffer, k_scale), _dequant(v_buffer, v_scale)
+    slots = _context_slots(req_to_token, req_pool_indices, seq_lens)
+    return _decode_attention(q, [k[s] for s in slots], [v[s] for s in slots], sm_scale).to(q.dtype)
+
+
+def extend_attention_ref(
+    q_extend: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Reference for `extend_attention`. Returns [T, Hq, Dv] in q's dtype."""
+    out = torch.empty(q_extend.shape[:2] + (v_extend.shape[2],), device=q_extend.device)
+    prefix_slots = _context_slots(req_to_token, req_pool_indices, prefix_lens)
+    for b, slots in enumerate(prefix_slots):
+        pre, s0 = len(slots), int(extend_start_loc[b])
+        new = slice(s0, s0 + int(seq_lens[b]) - pre)
+        k = torch.cat([k_buffer[slots].float(), k_extend[new].float()])  # [L, Hkv, D]
+        v = torch.cat([v_buffer[slots].float(), v_extend[new].float()])
+        out[new] = causal_attention(q_extend[new], k, v, pre, sm_scale)
+    return out.to(q_extend.dtype)
+
+
+def ragged_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Reference for `ragged_attention`. Returns [T, Hq, Dv] in q's dtype."""
+    out = torch.empty(q.shape[:2] + (v.shape[2],), device=q.device)
+    for b in range(seq_lens.shape[0]):
+        total, pre = int(seq_lens[b]), int(prefix_lens[b])
+        q0, kv0 = int(q_start_loc[b]), int(kv_start_loc[b])
+        new, rows = slice(q0, q0 + total - pre), slice(kv0, kv0 + total)
+        out[new] = causal_attention(q[new], k[rows], v[rows], pre, sm_scale)
+    return out.to(q.dtype)
+
+
+# ---- MoE -----------------------------------------------------------------------------------
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for `fused_moe` and the benchmark's baseline: the per-expert loop in fp32.
+    Returns [T, H] in hidden's dtype."""
+    return moe_forward_native(hidden, w13, w2, topk_weights, topk_ids, torch.float32)
+
+
+# ---- KV store ------------------------------------------------------------------------------
+
+
+def store_mla_kv_ref(
+    kv_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    latent_with_rope: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+) -> None:
+    """Reference for `store_mla_kv` (writes in place)."""
+    src = latent_with_rope.reshape(latent_with_rope.shape[0], 1, -1)
+    _store_rows_ref(kv_buffer, loc, src, k_scale)
+
+
+def store_kv_ref(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Reference for `store_kv` (writes in place)."""
+    _store_rows_ref(k_buffer, loc, k, k_scale)
+    _store_rows_ref(v_buffer, loc, v, v_scale)
+
+
+def _store_rows_ref(
+    buf: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """buf[loc] = x, quantized with `scale` for an fp8 buffer."""
+    if buf.dtype == FP8_DTYPE:
+        assert scale is not None, "an fp8 pool needs its scale"
+        buf[loc.long()] = quantize_fp8(x, scale)
+    else:
+        buf[loc.long()] = x.to(buf.dtype)
