@@ -37,3 +37,4 @@ clean:
 	rm -rf $(VENV) models
 
 include mk/serve.mk
+include mk/perf.mk

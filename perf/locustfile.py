@@ -1,12 +1,18 @@
 """Load test: users stream completions over Triton's HTTP generate_stream endpoint.
 
+    make loadtest USERS=8 SPAWN_RATE=2 DURATION=60s     # CSV and HTML report in perf/results/
     .venv/bin/locust -f perf/locustfile.py --host http://localhost:8000 \
         --headless -u 8 -r 2 -t 60s
 
 The POST line (`generate_stream`) is timed by locust until the response headers arrive, which
-Triton sends with the first token. Each request also reports two custom events of type `SSE`:
-`time_to_first_token` and `stream_complete` (the whole stream; its response length is the number
-of chunks), so locust's table and CSV show TTFT and end-to-end percentiles side by side.
+Triton sends with the first token. Each request also reports custom events of type `SSE`, so
+locust's table, CSV and HTML report show them as rows of their own:
+- `TTFT`: time to the first streamed response;
+- `ITL`: inter-token latency, (last response - first response) / (responses - 1), one value per
+  request, as `make sweep` and genai-perf define it (they count tokens; each response is
+  normally one token);
+- `E2E`: the whole stream (its response length is the number of responses).
+Every request asks for exactly PERF_MAX_TOKENS tokens (min_tokens and ignore_eos).
 
 Settings (environment): PERF_MAX_TOKENS (64), PERF_PROMPT_WORDS (64), PERF_TEMPERATURE (0),
 PERF_MODEL (llm).
@@ -19,13 +25,25 @@ import os
 import random
 import time
 
-from locust import HttpUser, between, task
+import gevent
+from locust import HttpUser, between, events, stats, task
+from locust.env import Environment
 
 MODEL = os.environ.get("PERF_MODEL", "llm")
 MAX_TOKENS = int(os.environ.get("PERF_MAX_TOKENS", "64"))
 PROMPT_WORDS = int(os.environ.get("PERF_PROMPT_WORDS", "64"))
 TEMPERATURE = float(os.environ.get("PERF_TEMPERATURE", "0"))
 WORDS = "the a model token stream server latency batch cache prefix kernel decode".split()
+
+
+@events.quitting.add_listener
+def _last_csv_rows(environment: Environment, **_kwargs: object) -> None:
+    # NOTE: locust rewrites its --csv files once a second and not again at exit, so streams that
+    # finished during --stop-timeout would be missing from them (though in the summary and the
+    # HTML report). The users have all stopped by now: one more tick writes the final figures.
+    options = environment.parsed_options
+    if options is not None and options.csv_prefix:
+        gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.2)
 
 
 def make_prompt(rng: random.Random) -> str:
@@ -41,7 +59,12 @@ class StreamingUser(HttpUser):
 
     @task
     def generate_stream(self) -> None:
-        params = {"max_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "ignore_eos": True}
+        params = {
+            "max_tokens": MAX_TOKENS,
+            "min_tokens": MAX_TOKENS,
+            "temperature": TEMPERATURE,
+            "ignore_eos": True,
+        }
         body = {
             "text_input": make_prompt(self.rng),
             "stream": True,
@@ -50,6 +73,7 @@ class StreamingUser(HttpUser):
         }
         start = time.perf_counter()
         first: float | None = None
+        last = start
         chunks = 0
         with self.client.post(
             f"/v2/models/{MODEL}/generate_stream",
@@ -65,15 +89,18 @@ class StreamingUser(HttpUser):
                 if "error" in event:
                     response.failure(event["error"])
                     return
+                last = time.perf_counter()
                 if first is None:
-                    first = time.perf_counter()
-                    self._report("time_to_first_token", first - start, 0)
+                    first = last
+                    self._report("TTFT", first - start, 0)
                 chunks += 1
-            if chunks == 0:
+            if first is None:
                 response.failure(f"no tokens streamed (HTTP {response.status_code})")
                 return
             response.success()
-        self._report("stream_complete", time.perf_counter() - start, chunks)
+        if chunks > 1:
+            self._report("ITL", (last - first) / (chunks - 1), chunks)
+        self._report("E2E", last - start, chunks)
 
     def _report(self, name: str, seconds: float, length: int) -> None:
         self.environment.events.request.fire(
