@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -200,3 +202,60 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# --- engine settings of a served model: model.json + LLM_<FIELD> environment overrides ----------
+
+ENV_PREFIX = "LLM_"
+
+
+def load_engine_config(
+    model_json: Path, repo_root: Path, environ: Mapping[str, str] | None = None
+) -> EngineConfig:
+    """The served model's EngineConfig: `engine_config_dict` checked by `EngineConfig.from_dict`."""
+    return EngineConfig.from_dict(engine_config_dict(model_json, repo_root, environ))
+
+
+def engine_config_dict(
+    model_json: Path, repo_root: Path, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """EngineConfig values from model.json, overridden by `LLM_<FIELD>` environment variables.
+
+    `LLM_MAX_TOTAL_TOKENS=4096` sets `max_total_tokens`; values are parsed by the field's type
+    (`none` or an empty string clears an optional field). A relative `model` path is resolved
+    against `repo_root` (the folder holding the model repository). Unknown keys in model.json are
+    left in for `EngineConfig.from_dict` to reject by name.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = json.loads(model_json.read_text()) if model_json.is_file() else {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{model_json} must hold a JSON object of EngineConfig fields")
+    for f in fields(EngineConfig):
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _parse_env_value(f.name, str(f.type), raw)
+    model = values.get("model", EngineConfig.model)
+    if model and not Path(model).is_absolute():
+        values["model"] = str((repo_root / model).resolve())
+    return values
+
+
+def _parse_env_value(name: str, type_name: str, raw: str) -> Any:
+    text = raw.strip()
+    if "None" in type_name and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if type_name.startswith("bool"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name.startswith("float"):
+            return float(text)
+    except ValueError:
+        var = ENV_PREFIX + name.upper()
+        raise ConfigError(f"{var}={raw!r}: expected a value of type {type_name}") from None
+    return raw

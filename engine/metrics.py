@@ -3,14 +3,15 @@
 `MetricsExporter` owns one thread. It polls `AsyncEngine.stats()` for the gauges and the counters
 (counters are incremented by the difference from the previous snapshot) and takes per-request
 latencies from a queue, so neither the engine loop nor the response thread waits on Triton's
-metric calls. `pb_utils` is passed in: this module imports no Triton code and runs in unit tests
-with a stand-in.
+metric calls. `RequestTimer` turns one request's deltas into those latencies. `pb_utils` is
+passed in: this module imports no Triton code and runs in unit tests with a stand-in.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,35 @@ class RequestTiming:
     ttft: float | None  # None when no token was produced
     inter_token: list[float] = field(default_factory=list)
     e2e: float = 0.0
+
+
+@dataclass
+class RequestTimer:
+    """Times one request from its arrival, delta by delta (monotonic clock).
+
+    A delta of n tokens after the first counts as n gaps of equal length: the engine may hand
+    several tokens over at once, and each of them waited its share.
+    """
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    def on_tokens(self, n: int, now: float | None = None) -> None:
+        """`n` new output tokens arrived (call only when n > 0)."""
+        now = time.monotonic() if now is None else now
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps.extend([(now - self.last_token_at) / n] * n)
+        self.last_token_at = now
+
+    def timing(self, now: float | None = None) -> RequestTiming:
+        """The finished request's latencies."""
+        now = time.monotonic() if now is None else now
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        return RequestTiming(ttft=ttft, inter_token=self.gaps, e2e=now - self.arrival)
 
 
 class MetricsExporter:

@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, engine_config_dict
 from engine.metrics import MetricsExporter, RequestTiming
 from engine.outputs import EngineStats
-from engine.serve import REPO_ROOT, engine_config_dict
+from engine.serve import REPO_ROOT
+
+
+HEAVY = ("torch", "transformers", "numpy", "tritonclient", "triton")
+
+
+def imported_heavy(statement: str, bypass_engine_init: bool) -> list[str]:
+    """The heavy packages a fresh interpreter has imported after `statement`."""
+    setup = ""
+    if bypass_engine_init:  # engine/__init__.py exports the engine's API and may import torch
+        setup = (
+            "import types; pkg = types.ModuleType('engine'); "
+            f"pkg.__path__ = [{str(REPO_ROOT / 'engine')!r}]; sys.modules['engine'] = pkg; "
+        )
+    code = f"import sys; {setup}{statement}; print(sorted(set(sys.modules) & set({HEAVY!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return list(json.loads(out.stdout.strip().replace("'", '"')))
+
+
+def test_launcher_and_serving_helpers_import_nothing_heavy() -> None:
+    modules = ["engine.serve", "engine.config", "engine.serving.protocol", "engine.metrics"]
+    assert imported_heavy(f"import {', '.join(modules)}", bypass_engine_init=True) == []
+
+
+def test_launcher_import_is_light_once_engine_init_is() -> None:
+    if imported_heavy("import engine", bypass_engine_init=False):
+        pytest.skip("engine/__init__.py still imports torch eagerly")
+    assert imported_heavy("import engine.serve", bypass_engine_init=False) == []
 
 
 def write_json(tmp_path: Path, values: dict[str, Any]) -> Path:

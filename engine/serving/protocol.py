@@ -1,0 +1,163 @@
+"""The `llm` model's request/response protocol, that of Triton's vllm_backend, without Triton.
+
+`parse_request` turns a request's inputs into a prompt, SamplingParams and output options;
+`Stream` follows one request's engine deltas and says what to send back (`Reply`). The model
+(model_repository/llm/1/model.py) only converts: a getter over its `pb_utils` request in, `Reply`
+outputs into `pb_utils` tensors out. See config.pbtxt for the inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.metrics import RequestTimer
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_cumulative_logprob",
+    "return_logprobs",
+)
+
+# name -> the first element of that input tensor (bytes, str, bool, numpy scalar), None if absent
+InputGetter = Callable[[str], Any]
+
+
+class BadRequest(ValueError):
+    """The request is malformed; the message goes back to the client."""
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    returns: dict[str, bool]
+    prefix: str = ""  # text sent before the completion (the prompt, non-streaming vllm_backend)
+
+
+def parse_request(
+    get: InputGetter, parameters_json: str, chat_template: Callable[[str], str]
+) -> ParsedRequest:
+    """Parse one request; raise ValueError (`BadRequest`, `SamplingParamsError`) when it is bad.
+
+    `parameters_json` is the request's parameters object (HTTP generate puts extra body keys
+    there; vllm_backend reads sampling settings from it when `sampling_parameters` is absent).
+    `chat_template` wraps a user message in the model's chat template.
+    """
+    prompt = _text(get, "text_input")
+    if prompt is None:
+        raise BadRequest("missing required input 'text_input'")
+    if not prompt:
+        raise BadRequest("'text_input' is empty")
+    stream = bool(_flag(get, "stream", False))
+    exclude = _flag(get, "exclude_input_in_output", None)
+    if stream and exclude is False:
+        raise BadRequest(
+            "exclude_input_in_output=false is not allowed with stream=true "
+            "(a stream carries only new text)"
+        )
+    raw = _text(get, "sampling_parameters")
+    if raw is None:
+        extra = json.loads(parameters_json or "{}")
+        params = SamplingParams.from_dict(
+            {k: v for k, v in extra.items() if not k.startswith("triton_")}
+        )
+    else:
+        params = SamplingParams.from_json(raw)
+    returns = {name: bool(_flag(get, name, False)) for name in RETURN_FLAGS}
+    if returns["return_logprobs"] or returns["return_cumulative_logprob"]:
+        params.logprobs = True
+    if _flag(get, "apply_chat_template", False):
+        prompt = chat_template(prompt)
+    prefix = prompt if not stream and not exclude else ""  # vllm_backend's non-streaming default
+    return ParsedRequest(prompt, params, stream, returns, prefix)
+
+
+def _text(get: InputGetter, name: str) -> str | None:
+    value = get(name)
+    if value is None:
+        return None
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _flag(get: InputGetter, name: str, default: bool | None) -> bool | None:
+    value = get(name)
+    return default if value is None else bool(value)
+
+
+# (output name, its one value, numpy dtype name)
+Output = tuple[str, Any, str]
+
+
+@dataclass
+class Reply:
+    """One response to send: outputs (None: the final flag alone), or an error."""
+
+    outputs: list[Output] | None = None
+    final: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Stream:
+    """One in-flight request, fed its engine deltas in order by the model's response thread."""
+
+    request_id: str
+    sender: Any  # the model's response sender; unused here
+    req: ParsedRequest
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_output_tokens: int = 0
+    cancelled: bool = False  # the client went away; the engine was told to abort
+
+    def on_delta(self, out: RequestOutput) -> Reply | None:
+        """What to send for this delta (None: nothing yet). A finished delta always replies."""
+        if out.token_ids:
+            self.timer.on_tokens(len(out.token_ids))
+            self.num_output_tokens += len(out.token_ids)
+        stream, returns = self.req.stream, self.req.returns
+        if not out.finished:
+            if self.cancelled:
+                return None
+            if not stream:
+                self.texts.append(out.text)
+                return None
+            if out.text or (out.token_ids and returns["return_num_output_tokens"]):
+                return Reply(self._outputs(out, out.text, len(out.token_ids)))
+            return None
+        if out.error:
+            return Reply(final=True, error=out.error)
+        if self.cancelled or (stream and not out.text and not any(returns.values())):
+            return Reply(final=True)  # nothing left to say; just close the stream
+        if stream:
+            return Reply(self._outputs(out, out.text, len(out.token_ids)), final=True)
+        text = self.req.prefix + "".join(self.texts) + out.text
+        return Reply(self._outputs(out, text, self.num_output_tokens), final=True)
+
+    def _outputs(self, out: RequestOutput, text: str, num_tokens: int) -> list[Output]:
+        returns = self.req.returns
+        outputs: list[Output] = [("text_output", text.encode(), "object")]
+        if returns["return_finish_reason"]:
+            reason = (out.finish_reason or "") if out.finished else ""
+            outputs.append(("finish_reason", reason, "object"))
+        if returns["return_num_input_tokens"]:
+            outputs.append(("num_input_tokens", out.num_prompt_tokens, "uint32"))
+        if returns["return_num_output_tokens"]:
+            outputs.append(("num_output_tokens", num_tokens, "uint32"))
+        if returns["return_cumulative_logprob"]:
+            outputs.append(("cumulative_logprob", out.cumulative_logprob, "float32"))
+        if returns["return_logprobs"]:
+            pairs = zip(out.token_ids, out.logprobs, strict=False)
+            new = [{str(t): {"logprob": p}} for t, p in pairs]
+            self.logprobs.extend(new)
+            chosen = new if self.req.stream else self.logprobs
+            outputs.append(("logprobs", json.dumps(chosen).encode(), "object"))
+        return outputs
