@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_sizes
-from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
+from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(3 + 9 * i)] for i in range(5)]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
-from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.mem_cache.kv_pool import FP8_DTYPE, MHATokenToKVPool, MLATokenToKVPool
+from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 CPU = torch.device("cpu")
 

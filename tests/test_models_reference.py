@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.executor.model_runner import ModelRunner
+from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 # The reference-precision path: float32 and the torch-native backend (the Triton kernels use TF32
 # dots on a GPU; tests/test_triton_backend.py holds them to the torch-native backend).

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.executor.forward_batch import ForwardMode
 from engine.sampling_params import SamplingParams
+from engine.scheduler.batch import ForwardMode
 from engine.scheduler.request import Req, ReqStatus
 from engine.scheduler.scheduler import Scheduler
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
+from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(5 + 6 * i)] for i in range(3)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext, SpawnProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -29,7 +29,11 @@ from engine.distributed.parallel_state import ParallelState, host_store, init_pa
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.executor.forward_batch import ScheduledBatch
+    from engine.scheduler.batch import ScheduledBatch
+
+# The body of a worker process: (config, rank, port, pipe to rank 0, CPU threads). The executor
+# provides it (engine/executor/tp_worker.py), so this module never imports the executor.
+WorkerMain = Callable[["EngineConfig", int, int, Connection, int], None]
 
 _POLL_S = 0.1
 HELLO_TIMEOUT_S = 300.0  # a worker process starts and imports the engine
@@ -50,7 +54,9 @@ class _Worker:
 class TPWorkers:
     """The worker processes (ranks 1..tp_size-1) of one model instance, seen from rank 0."""
 
-    def __init__(self, config: EngineConfig, port: int, num_threads: int) -> None:
+    def __init__(
+        self, config: EngineConfig, port: int, num_threads: int, target: WorkerMain
+    ) -> None:
         ctx = mp.get_context("spawn")
         assert isinstance(ctx, SpawnContext)
         _use_python_executable(ctx)
@@ -59,7 +65,7 @@ class TPWorkers:
         for rank in range(1, config.tp_size):
             parent, child = ctx.Pipe()
             process = ctx.Process(
-                target=worker_main,
+                target=target,
                 args=(config, rank, port, child, num_threads),
                 name=f"tp-worker-{rank}",
                 daemon=True,
@@ -119,11 +125,14 @@ class TPWorkers:
             w.conn.close()
 
 
-def start_tp_group(config: EngineConfig, device: torch.device) -> tuple[TPWorkers, ParallelState]:
-    """Start ranks 1..tp_size-1 and join them as rank 0 (called in the engine's process)."""
+def start_tp_group(
+    config: EngineConfig, device: torch.device, target: WorkerMain
+) -> tuple[TPWorkers, ParallelState]:
+    """Start ranks 1..tp_size-1, each running `target`, and join them as rank 0 (called in the
+    engine's process)."""
     store = host_store(config.tp_size)
     threads = max(1, torch.get_num_threads() // config.tp_size) if device.type == "cpu" else 1
-    workers = TPWorkers(config, store.port, threads)
+    workers = TPWorkers(config, store.port, threads, target)
     try:
         workers.wait("hello", HELLO_TIMEOUT_S)
         if device.type == "cuda" and device.index is not None:  # else: the current GPU
@@ -133,37 +142,6 @@ def start_tp_group(config: EngineConfig, device: torch.device) -> tuple[TPWorker
         workers.shutdown()
         raise
     return workers, state
-
-
-def worker_main(
-    config: EngineConfig, rank: int, port: int, conn: Connection, num_threads: int
-) -> None:
-    """Body of worker `rank`: join the group, build this rank's model runner, then run every
-    batch rank 0 sends until told to stop."""
-    from engine.executor.model_runner import ModelRunner, resolve_device
-
-    torch.set_num_threads(num_threads)
-    try:
-        conn.send(("hello", None))
-        device = resolve_device(config.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        parallel = init_parallel_state(rank, config.tp_size, port, device)
-        runner = ModelRunner(config, parallel=parallel)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            msg: Any = conn.recv()
-        except EOFError:  # rank 0 is gone
-            break
-        if msg is None:
-            break
-        batch, all_logits = msg
-        runner.forward(batch, all_logits)
-    parallel.close()
 
 
 def _use_python_executable(ctx: SpawnContext) -> None:

@@ -6,23 +6,33 @@ handful of small kernels. At start-up the runner captures one graph per batch si
 b requests replays the smallest captured graph of size >= b; the extra rows are padding: they
 write their KV to the reserved slot 0, read one context token, and their logits are dropped.
 
-The attention kernels choose their split count from the batch size and the longest context
-(`attn_metadata["max_seq_len"]`). A graph is captured with the longest context the request table
-allows, so its split count holds for every batch it replays (empty splits exit at once).
+The attention backend sets up the metadata of the captured batches through its graph hooks
+(`init_forward_metadata_capture` / `_replay`). The kernels choose their split count from the
+batch size and the longest context; a graph is captured for the longest context the request
+table allows, so its split count holds for every batch it replays (empty splits exit at once).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from engine.executor.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardContext
+from engine.scheduler.batch import ForwardMode
 
-if TYPE_CHECKING:
-    from engine.executor.model_runner import ModelRunner
+
+class DecodeModel(Protocol):
+    """What a graph captures: the model's forward and its logits."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +49,20 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     @torch.inference_mode()  # as the eager forward: no autograd state kept by the graphs
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        model: DecodeModel,
+        ctx: ForwardContext,
+        device: torch.device,
+        max_bs: int,
+        max_context_len: int,
+    ) -> None:
+        self.model, self.ctx = model, ctx
+        self.max_context_len = max_context_len
         self.capture_sizes = capture_sizes(max_bs)
         self.max_bs = self.capture_sizes[-1]
         self.replays = 0  # decode steps served from a graph (for tests and metrics)
-        dev, n = runner.device, self.max_bs
+        dev, n = device, self.max_bs
         # Padding rows keep these values: token 0 at position 0, written to slot 0, reading
         # one context token through request row 0.
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -52,8 +70,11 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.extend_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        ctx.attn_backend.init_cuda_graph_state(n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.batches: dict[int, ForwardBatch] = {}
         self.pool = torch.cuda.graph_pool_handle()
         # NOTE: one dedicated stream for warm-up and capture. The capture is thread-local, so
         # CUDA calls from other threads (another engine's loop) cannot invalidate it; the
@@ -72,28 +93,26 @@ class CudaGraphRunner:
         )
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        r = self.runner
-        fb = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            batch_size=bs,
+        """The batch a graph of size `bs` runs: views of the static buffers. Its host-side lists
+        describe the padding values; the backend's capture hook reads none of them."""
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            self.ctx,
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[r.max_context_len] * bs,  # sizes the kernels' split counts
-            prefix_lens_cpu=[r.max_context_len - 1] * bs,
+            extend_lens=self.extend_lens[:bs],
+            seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
-            req_to_token=r.req_to_token,
-            kv_pool=r.kv_pool,
-            attn_backend=r.attn_backend,
         )
-        r.attn_backend.init_forward_metadata(fb)
+        self.ctx.attn_backend.init_forward_metadata_capture(fb, self.max_context_len)
         return fb
 
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        model = self.runner.model
-        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+        return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
 
     def _capture(self, bs: int) -> None:
         fb = self._static_batch(bs)
@@ -111,6 +130,7 @@ class CudaGraphRunner:
                 graph.capture_end()  # raises when the capture was invalidated
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[bs] = graph
+        self.batches[bs] = fb
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.is_decode and fb.batch_size <= self.max_bs
@@ -131,12 +151,19 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.ctx.attn_backend.init_forward_metadata_replay(self.batches[size], self.max_context_len)
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:bs]
 
 
-def capture_graphs(runner: ModelRunner, max_bs: int) -> CudaGraphRunner | None:
+def capture_graphs(
+    model: DecodeModel,
+    ctx: ForwardContext,
+    device: torch.device,
+    max_bs: int,
+    max_context_len: int,
+) -> CudaGraphRunner | None:
     """Capture the decode graphs; on failure log a warning and return None (decode runs eagerly).
 
     A failed capture leaves the default CUDA generators in capture mode (PyTorch ends their
@@ -147,12 +174,12 @@ def capture_graphs(runner: ModelRunner, max_bs: int) -> CudaGraphRunner | None:
     generators = list(torch.cuda.default_generators)
     saved = [g.clone_state() for g in generators]
     try:
-        return CudaGraphRunner(runner, max_bs)
+        return CudaGraphRunner(model, ctx, device, max_bs, max_context_len)
     except Exception as e:
         for gen, state in zip(generators, saved, strict=True):
             gen.graphsafe_set_state(state)
         try:
-            torch.cuda.synchronize(runner.device)
+            torch.cuda.synchronize(device)
         except Exception as sticky:
             raise CaptureError(f"a failed graph capture left the GPU unusable: {e}") from sticky
         logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e)

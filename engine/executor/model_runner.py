@@ -10,27 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.distributed.parallel_state import ParallelState
+from engine.distributed.parallel_state import ParallelState, init_parallel_state
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
 from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_graphs
 from engine.executor.device_lock import DEVICE_LOCK
-from engine.executor.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 from engine.executor.loader import load_weights
+from engine.forward_batch import ForwardBatch, ForwardContext
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
-from engine.layers.attention.triton_backend import TritonBackend
 from engine.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, make_generator
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
 from engine.sampling_params import SamplingParams
+from engine.scheduler.batch import ForwardMode, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ class ModelRunner:
         self.workers: TPWorkers | None = None
         if parallel is None and config.tp_size > 1:
             check_tp_split(self.model_config, config.tp_size)  # before starting any process
-            self.workers, parallel = start_tp_group(config, self.device)
+            self.workers, parallel = start_tp_group(config, self.device, worker_main)
             weakref.finalize(self, self.workers.shutdown)
         self.parallel = parallel or ParallelState()
         self.sampler = Sampler()
@@ -152,10 +154,15 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = make_attention_backend(
             config.attention_backend, self.kv_pool, self.device
         )
+        self.ctx = ForwardContext(self.req_to_token, self.kv_pool, self.attn_backend)
         self.graph_runner: CudaGraphRunner | None = None
         if self._use_cuda_graph():
             self.graph_runner = capture_graphs(
-                self, min(config.cuda_graph_max_bs, self.max_running_requests)
+                self.model,
+                self.ctx,
+                self.device,
+                min(config.cuda_graph_max_bs, self.max_running_requests),
+                self.max_context_len,
             )
         if self.workers is not None:
             self.workers.wait("ready", READY_TIMEOUT_S)
@@ -203,8 +210,10 @@ class ModelRunner:
         cfg = self.config
         if not cfg.enable_cuda_graph or cfg.cuda_graph_max_bs < 1 or self.device.type != "cuda":
             return False
-        if not isinstance(self.attn_backend, TritonBackend):
-            logger.info("CUDA graphs off: they need the triton attention backend")
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info(
+                "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
+            )
             return False
         if self.parallel.world_size > 1:
             logger.info("CUDA graphs off: not supported with tp_size > 1 yet")
@@ -255,24 +264,23 @@ class ModelRunner:
         self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
             torch.tensor(vals, dtype=torch.int32, device=dev)
         )
-        fb = ForwardBatch(
-            mode=batch.mode,
-            batch_size=batch.batch_size,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.tensor(
-                [s for e in batch.entries for s in e.out_cache_loc], dtype=torch.int64, device=dev
-            ),
-            req_pool_indices=torch.tensor(
-                [e.req_pool_idx for e in batch.entries], dtype=torch.int64, device=dev
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        extend_lens = [len(e.input_ids) for e in batch.entries]
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=dev)
+
+        fb = ForwardBatch.build(
+            batch.mode,
+            self.ctx,
+            input_ids=ints(input_ids),
+            positions=ints(positions),
+            out_cache_loc=ints([s for e in batch.entries for s in e.out_cache_loc]),
+            req_pool_indices=ints([e.req_pool_idx for e in batch.entries]),
+            seq_lens=ints(seq_lens),
+            extend_lens=ints(extend_lens),
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=[e.prefix_len for e in batch.entries],
-            extend_lens_cpu=[len(e.input_ids) for e in batch.entries],
-            req_to_token=self.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
+            extend_lens_cpu=extend_lens,
         )
         self.attn_backend.init_forward_metadata(fb)
         return fb
@@ -290,8 +298,7 @@ class ModelRunner:
                 return self.graph_runner.replay(fb)  # decode: one token, so last = all
             hidden = self.model(fb.input_ids, fb.positions, fb)
             if not all_logits:
-                last = torch.tensor(fb.extend_lens_cpu, device=self.device).cumsum(0) - 1
-                hidden = hidden[last]
+                hidden = hidden[fb.extend_lens.cumsum(0) - 1]  # each request's last token
             return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -331,3 +338,33 @@ class ModelRunner:
         )
         history = [r.history for r in requests] if info.penalized_rows else None
         return self.sampler(logits, info, history)
+
+
+def worker_main(
+    config: EngineConfig, rank: int, port: int, conn: Connection, num_threads: int
+) -> None:
+    """The body of tensor-parallel worker `rank`, a process that engine/distributed/workers.py
+    starts: join the group, build this rank's runner, then run every batch rank 0 sends until
+    told to stop."""
+    torch.set_num_threads(num_threads)
+    try:
+        conn.send(("hello", None))
+        device = resolve_device(config.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        parallel = init_parallel_state(rank, config.tp_size, port, device)
+        runner = ModelRunner(config, parallel=parallel)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg: Any = conn.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if msg is None:
+            break
+        batch, all_logits = msg
+        runner.forward(batch, all_logits)
+    parallel.close()

@@ -195,7 +195,7 @@ class MLADecodeConfig(NamedTuple):
     min_split_tokens: int = 256
 
 
-def default_config(num_heads: int, is_fp8: bool, page_size: int) -> MLADecodeConfig:
+def default_config(num_heads: int, is_fp8: bool) -> MLADecodeConfig:
     """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
     if is_interpreter():
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
@@ -232,7 +232,7 @@ def _launch(
     is_fp8 = kv.dtype == torch.float8_e4m3fn
     if is_fp8:
         assert k_scale is not None, "an fp8 cache needs its k_scale"
-    cfg = config or default_config(num_heads, is_fp8, page_size)
+    cfg = config or default_config(num_heads, is_fp8)
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
     if num_kv_splits is None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
-from engine.layers.attention.base import AttentionLayer
-from engine.layers.attention.torch_native import _causal_attention
+from engine.layers.attention.torch_native import causal_attention as _native_causal_attention
 from engine.layers.moe import moe_forward_native
 
 # ---- attention -----------------------------------------------------------------------------
@@ -25,10 +24,7 @@ def causal_attention(
     """q [n, Hq, D] at positions prefix_len.. over a whole context k [L, Hkv, D], v [L, Hkv, Dv]
     -> [n, Hq, Dv] in fp32: query i sees keys 0..prefix_len + i (a decode: n = 1, prefix L - 1).
     """
-    # NOTE: the torch-native backend's function reads only the head counts and the scale from
-    # its layer argument.
-    layer = AttentionLayer(0, q.shape[1], k.shape[1], q.shape[2], v.shape[2], sm_scale)
-    return _causal_attention(q.float(), k.float(), v.float(), prefix_len, layer)
+    return _native_causal_attention(q.float(), k.float(), v.float(), prefix_len, sm_scale)
 
 
 def _decode_attention(

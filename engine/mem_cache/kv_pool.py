@@ -5,7 +5,9 @@ Two layouts share one slot space (the radix cache and scheduler deal in slot ids
 - `MLATokenToKVPool`: one row [slots, 1, kv_lora_rank + qk_rope_head_dim] per layer: the compressed
   latent followed by the shared RoPE key. V is a view of the first kv_lora_rank columns.
 With kv_cache_dtype "fp8_e4m3" the rows are stored as float8_e4m3fn and multiplied by a per-layer
-scale on read (the scale is 1.0 unless calibrated, as in SGLang and vLLM without calibration).
+scale on read (the scale is 1.0 unless calibrated, as in SGLang and vLLM without calibration). The
+scales live here only, as [1] fp32 device tensors: the torch path and the kernels read the same
+ones.
 
 NOTE: slot 0 is a padding sink: padded batch entries write there and nothing reads it as context.
 """
@@ -29,7 +31,8 @@ class KVPool:
     dtype: torch.dtype  # compute dtype
     store_dtype: torch.dtype
     num_layers: int
-    k_scale: list[float]  # per layer; FP8 value = stored * scale
+    k_scale: list[torch.Tensor]  # per layer, [1] fp32; FP8 value = stored * scale
+    v_scale: list[torch.Tensor]  # MLA: the same tensors as k_scale (V is part of the row)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         raise NotImplementedError
@@ -40,12 +43,16 @@ class KVPool:
     def bytes_per_token(self) -> int:
         raise NotImplementedError
 
-    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+    @property
+    def is_fp8(self) -> bool:
+        return self.store_dtype == FP8_DTYPE
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.store_dtype != FP8_DTYPE:
             return x.to(self.store_dtype)
         return quantize_fp8(x, scale)
 
-    def _dequantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+    def _dequantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.store_dtype != FP8_DTYPE:
             return x
         return dequantize_fp8(x, scale, self.dtype)
@@ -53,6 +60,10 @@ class KVPool:
 
 def _store_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
     return FP8_DTYPE if kv_cache_dtype == "fp8_e4m3" else dtype
+
+
+def _unit_scales(num_layers: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.ones(1, dtype=torch.float32, device=device) for _ in range(num_layers)]
 
 
 class MHATokenToKVPool(KVPool):
@@ -80,8 +91,8 @@ class MHATokenToKVPool(KVPool):
             torch.zeros(*shape, v_head_dim, dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
         ]
-        self.k_scale = [1.0] * num_layers
-        self.v_scale = [1.0] * num_layers
+        self.k_scale = _unit_scales(num_layers, device)
+        self.v_scale = _unit_scales(num_layers, device)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         assert v is not None
@@ -119,7 +130,8 @@ class MLATokenToKVPool(KVPool):
             torch.zeros(size + page_size, 1, dim, dtype=self.store_dtype, device=device)
             for _ in range(num_layers)
         ]
-        self.k_scale = [1.0] * num_layers
+        self.k_scale = _unit_scales(num_layers, device)
+        self.v_scale = self.k_scale
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
         """k: [n, 1, kv_lora_rank + rope] latent rows; v is unused (it is part of k)."""

@@ -11,7 +11,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.layers.linear import ParallelLMHead, ShardedModule, VocabParallelEmbedding
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding

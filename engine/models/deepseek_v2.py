@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -133,7 +133,7 @@ class MLAAttention(nn.Module):
     def _forward_decompressed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
-        fb.kv_pool.set_kv(self.layer_id, fb.out_cache_loc, latent, None)
+        fb.attn_backend.store_kv(self.layer_id, fb, latent, None)
         ctx, _ = fb.attn_backend.gather_context(self.layer_id, fb)  # [S, 1, r + rope]
         s, h = ctx.shape[0], self.num_heads
         c_ctx, kpe_ctx = ctx.squeeze(1).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)

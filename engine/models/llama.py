@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,

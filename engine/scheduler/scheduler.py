@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.executor.forward_batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.mem_cache.allocator import TokenSlotAllocator
 from engine.mem_cache.radix_cache import RadixCache
+from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.scheduler.request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
@@ -76,12 +76,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
-
-    def find(self, rid: str) -> Req | None:
-        for req in itertools.chain(self.waiting, self.prefilling, self.running):
-            if req.rid == rid:
-                return req
-        return None
 
     @property
     def num_running(self) -> int:

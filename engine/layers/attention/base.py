@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
+from engine.mem_cache.kv_pool import KVPool
 
 
 class AttentionLayer(nn.Module):
@@ -38,58 +38,68 @@ class AttentionLayer(nn.Module):
         self.scaling = scaling
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        fb: ForwardBatch,
-        save_kv: bool = True,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fb: ForwardBatch
     ) -> torch.Tensor:
+        """Store the new tokens' k (and v) at `fb.out_cache_loc`, then attend."""
+        backend = fb.attn_backend
+        backend.store_kv(self.layer_id, fb, k, v)
         if fb.is_decode:
-            return fb.attn_backend.forward_decode(q, k, v, self, fb, save_kv)
-        return fb.attn_backend.forward_extend(q, k, v, self, fb, save_kv)
+            return backend.forward_decode(q, self, fb)
+        return backend.forward_extend(q, k, v, self, fb)
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """Contract shared by the torch-native (reference) and Triton backends.
 
-    - `init_forward_metadata(fb)` runs once per batch before the layers; it may precompute index
-      tensors into `fb.attn_metadata`.
-    - `forward_extend` / `forward_decode`: when `save_kv`, store k (and v) at `fb.out_cache_loc`
-      first, then attend each request's new queries to its whole context read from the pool
-      through `req_to_token` (causal: query i of a request sees context positions <= prefix + i).
-    - `forward_extend_ragged`: attention where k and v are given for each request's whole context
-      (prefix + new tokens, concatenated request by request in batch order), not read from the
-      pool. MLA's decompressing prefill uses it after up-projecting the cached latents.
+    - `init_forward_metadata(fb)` runs once per batch before the layers and sets
+      `fb.attn_metadata` to an object of the backend's own metadata type.
+    - `store_kv(layer_id, fb, k, v)` writes the new tokens' KV rows at `fb.out_cache_loc`
+      (quantizing for an FP8 pool). Prefill and decode both store through it.
+    - `forward_extend` / `forward_decode` attend each request's new queries to its whole
+      context, read from the pool through `req_to_token` after `store_kv` (causal: query i of a
+      request sees context positions <= prefix + i). Extend also gets the new tokens' k and v,
+      which a kernel may read directly instead of from the pool.
+    - `forward_extend_ragged`: attention where k and v are given for each request's whole
+      context (prefix + new tokens, concatenated request by request in batch order), not read
+      from the pool. MLA's decompressing prefill uses it after up-projecting the cached latents.
     - `gather_context(layer_id, fb)`: the pool rows of every request's whole context, concatenated
       in batch order ([sum(seq_lens), kv_heads, dim] key and value).
+    - CUDA graphs (backends with `supports_cuda_graph`): `init_cuda_graph_state(max_bs)` once
+      before capture; `init_forward_metadata_capture(fb, max_seq_len)` sets the metadata of a
+      decode batch over the graph's static buffers, valid for every batch of up to `max_seq_len`
+      tokens of context; `init_forward_metadata_replay(fb, max_seq_len)` refreshes what the
+      backend keeps outside those buffers before a replay. Neither may sync with the host.
     """
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        raise NotImplementedError
+    supports_cuda_graph = False
 
+    def __init__(self, kv_pool: KVPool) -> None:
+        self.kv_pool = kv_pool
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
+
+    def store_kv(
+        self, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+
+    @abstractmethod
     def forward_extend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
+        k: torch.Tensor,
         v: torch.Tensor | None,
         layer: AttentionLayer,
         fb: ForwardBatch,
-        save_kv: bool = True,
-    ) -> torch.Tensor:
-        raise NotImplementedError
+    ) -> torch.Tensor: ...
 
+    @abstractmethod
     def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        fb: ForwardBatch,
-        save_kv: bool = True,
-    ) -> torch.Tensor:
-        raise NotImplementedError
+        self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch
+    ) -> torch.Tensor: ...
 
+    @abstractmethod
     def forward_extend_ragged(
         self,
         q: torch.Tensor,
@@ -97,8 +107,18 @@ class AttentionBackend:
         v: torch.Tensor,
         layer: AttentionLayer,
         fb: ForwardBatch,
-    ) -> torch.Tensor:
-        raise NotImplementedError
+    ) -> torch.Tensor: ...
 
-    def gather_context(self, layer_id: int, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    @abstractmethod
+    def gather_context(
+        self, layer_id: int, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture(self, fb: ForwardBatch, max_seq_len: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay(self, fb: ForwardBatch, max_seq_len: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

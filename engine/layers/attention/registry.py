@@ -21,4 +21,4 @@ def make_attention_backend(name: str, kv_pool: KVPool, device: torch.device) -> 
         return TritonBackend(kv_pool)
     from engine.layers.attention.torch_native import TorchNativeBackend
 
-    return TorchNativeBackend()
+    return TorchNativeBackend(kv_pool)

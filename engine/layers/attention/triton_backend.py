@@ -1,143 +1,161 @@
 """The GPU attention backend: Triton kernels from engine/kernels/.
 
 Decode runs the split-KV kernels (grouped MLA decode over the latent pool, GQA decode over the
-MHA pool) and stores new KV rows with the store kernel (quantizing for FP8). Extend runs the Triton
-extend kernel for GQA over a bf16/fp16/fp32 pool, and its ragged form for MLA's decompressing
-prefill (attention over the up-projected latents of each request's context). What has no kernel
-yet falls back to the torch-native backend it derives from: extend over an FP8 MHA pool, and MLA
-extend through the absorbed path.
+MHA pool); new KV rows go in through the store kernel (quantizing for FP8), at prefill and decode
+alike. Extend runs the Triton extend kernel for GQA over a bf16/fp16/fp32 pool, and its ragged
+form for MLA's decompressing prefill (attention over the up-projected latents of each request's
+context). What has no kernel yet goes to a torch-native backend held beside it: extend over an
+FP8 MHA pool, MLA extend through the absorbed path (a test option), and gathering the context
+rows MLA's prefill up-projects.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.kernels.extend import extend_attention, ragged_attention
 from engine.kernels.gqa_decode import gqa_decode
 from engine.kernels.kv_store import store_kv, store_mla_kv
 from engine.kernels.mla_decode import mla_decode
-from engine.layers.attention.base import AttentionLayer
-from engine.layers.attention.torch_native import TorchNativeBackend
-from engine.mem_cache.kv_pool import FP8_DTYPE, KVPool, MHATokenToKVPool, MLATokenToKVPool
+from engine.layers.attention.base import AttentionBackend
+from engine.layers.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
+from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 
 
-class TritonBackend(TorchNativeBackend):
+@dataclass
+class TritonMetadata:
+    # The kernels size their split-KV count from this: the longest context in the batch, or the
+    # longest a captured graph may replay.
+    max_seq_len: int
+    # Extend only.
+    prefix_lens: torch.Tensor | None = None  # [B]
+    extend_start_loc: torch.Tensor | None = None  # [B]: first new token of each request
+    context_start_loc: torch.Tensor | None = None  # [B]: MLA prefill's ragged context rows
+    max_extend_len: int = 0
+    native: TorchNativeMetadata | None = None  # for the paths that run torch-native
+
+
+class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, kv_pool: KVPool) -> None:
-        self.kv_pool = kv_pool
+        super().__init__(kv_pool)
         self.is_mla = isinstance(kv_pool, MLATokenToKVPool)
-        self.is_fp8 = kv_pool.store_dtype == FP8_DTYPE
-        device = _pool_device(kv_pool)
-        # The kernels take FP8 scales as [1] float32 tensors; the pools keep them as floats.
-        self.k_scales = [_scale(s, device) for s in kv_pool.k_scale]
-        v_scales = getattr(kv_pool, "v_scale", kv_pool.k_scale)
-        self.v_scales = [_scale(s, device) for s in v_scales]
+        self.native = TorchNativeBackend(kv_pool)
 
+    # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        meta = fb.attn_metadata
-        meta["max_seq_len"] = max(fb.seq_lens_cpu)
+        meta = TritonMetadata(max_seq_len=max(fb.seq_lens_cpu))
+        fb.attn_metadata = meta
         if fb.is_decode:
             return
-        if self.is_fp8 and not self.is_mla:
-            super().init_forward_metadata(fb)  # extend over an FP8 MHA pool is torch-native
+        if self.kv_pool.is_fp8 and not self.is_mla:
+            meta.native = self.native.build_metadata(fb)  # extend over FP8 MHA: torch-native
             return
-        extend_lens = torch.tensor(fb.extend_lens_cpu, device=fb.seq_lens.device)
-        meta["prefix_lens"] = torch.tensor(fb.prefix_lens_cpu, device=fb.seq_lens.device)
-        meta["extend_start_loc"] = torch.cumsum(extend_lens, 0) - extend_lens
-        meta["max_extend_len"] = max(fb.extend_lens_cpu)
+        meta.prefix_lens = fb.seq_lens - fb.extend_lens
+        meta.extend_start_loc = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens
+        meta.max_extend_len = max(fb.extend_lens_cpu)
         if self.is_mla:
-            super().init_forward_metadata(fb)  # the context slots, for gather_context
-            meta["context_start_loc"] = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
+            meta.native = self.native.build_metadata(fb)  # the context slots, for gather_context
+            meta.context_start_loc = torch.cumsum(fb.seq_lens, 0) - fb.seq_lens
 
-    def _store(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v) -> None:
-        lid = layer.layer_id
-        scale = self.k_scales[lid] if self.is_fp8 else None
-        if isinstance(self.kv_pool, MLATokenToKVPool):
-            store_mla_kv(self.kv_pool.kv_buffer[lid], fb.out_cache_loc, k, scale)
-        else:
-            assert isinstance(self.kv_pool, MHATokenToKVPool) and v is not None
-            v_scale = self.v_scales[lid] if self.is_fp8 else None
-            pool = self.kv_pool
-            store_kv(pool.k_buffer[lid], pool.v_buffer[lid], fb.out_cache_loc, k, v, scale, v_scale)
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        pass  # the kernels keep no per-batch state outside ForwardBatch's buffers
 
-    def forward_decode(self, q, k, v, layer, fb, save_kv=True):
-        lid = layer.layer_id
-        if save_kv and k is not None:
-            self._store(layer, fb, k, v)
-        scale = self.k_scales[lid] if self.is_fp8 else None
-        max_seq_len = fb.attn_metadata["max_seq_len"]
-        if isinstance(self.kv_pool, MLATokenToKVPool):
+    def init_forward_metadata_capture(self, fb: ForwardBatch, max_seq_len: int) -> None:
+        assert fb.is_decode
+        fb.attn_metadata = TritonMetadata(max_seq_len=max_seq_len)
+
+    def init_forward_metadata_replay(self, fb: ForwardBatch, max_seq_len: int) -> None:
+        pass  # the captured metadata holds for every replay up to max_seq_len
+
+    # ---- KV store -----------------------------------------------------------------------------
+    def store_kv(self, layer_id, fb, k, v):
+        pool = self.kv_pool
+        scale = pool.k_scale[layer_id] if pool.is_fp8 else None
+        if isinstance(pool, MLATokenToKVPool):
+            store_mla_kv(pool.kv_buffer[layer_id], fb.out_cache_loc, k, scale)
+            return
+        assert isinstance(pool, MHATokenToKVPool) and v is not None
+        v_scale = pool.v_scale[layer_id] if pool.is_fp8 else None
+        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        store_kv(kb, vb, fb.out_cache_loc, k, v, scale, v_scale)
+
+    # ---- attention ----------------------------------------------------------------------------
+    def forward_decode(self, q, layer, fb):
+        lid, pool = layer.layer_id, self.kv_pool
+        meta: TritonMetadata = fb.attn_metadata
+        scale = pool.k_scale[lid] if pool.is_fp8 else None
+        if isinstance(pool, MLATokenToKVPool):
             return mla_decode(
                 q,
-                self.kv_pool.kv_buffer[lid],
+                pool.kv_buffer[lid],
                 fb.req_to_token,
                 fb.req_pool_indices,
                 fb.seq_lens,
                 layer.v_head_dim,
                 layer.scaling,
                 k_scale=scale,
-                max_seq_len=max_seq_len,  # type: ignore[arg-type]
-                page_size=self.kv_pool.page_size,
+                max_seq_len=meta.max_seq_len,
+                page_size=pool.page_size,
             )
-        assert isinstance(self.kv_pool, MHATokenToKVPool)
+        assert isinstance(pool, MHATokenToKVPool)
         return gqa_decode(
             q,
-            self.kv_pool.k_buffer[lid],
-            self.kv_pool.v_buffer[lid],
+            pool.k_buffer[lid],
+            pool.v_buffer[lid],
             fb.req_to_token,
             fb.req_pool_indices,
             fb.seq_lens,
             layer.scaling,
             k_scale=scale,
-            v_scale=self.v_scales[lid] if self.is_fp8 else None,
-            max_seq_len=max_seq_len,  # type: ignore[arg-type]
+            v_scale=pool.v_scale[lid] if pool.is_fp8 else None,
+            max_seq_len=meta.max_seq_len,
+        )
+
+    def forward_extend(self, q, k, v, layer, fb):
+        meta: TritonMetadata = fb.attn_metadata
+        pool = self.kv_pool
+        if self.is_mla or pool.is_fp8 or v is None:
+            assert meta.native is not None
+            return self.native.extend_from_pool(q, layer, fb, meta.native)
+        assert isinstance(pool, MHATokenToKVPool)
+        assert meta.prefix_lens is not None and meta.extend_start_loc is not None
+        return extend_attention(
+            q,
+            k,
+            v,
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            fb.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            meta.prefix_lens,
+            meta.extend_start_loc,
+            layer.scaling,
+            max_extend_len=meta.max_extend_len,
         )
 
     def forward_extend_ragged(self, q, k, v, layer, fb):
-        meta = fb.attn_metadata
+        meta: TritonMetadata = fb.attn_metadata
+        assert meta.prefix_lens is not None and meta.extend_start_loc is not None
+        assert meta.context_start_loc is not None
         return ragged_attention(
             q,
             k,
             v,
             fb.seq_lens,
-            meta["prefix_lens"],  # type: ignore[arg-type]
-            meta["extend_start_loc"],  # type: ignore[arg-type]
-            meta["context_start_loc"],  # type: ignore[arg-type]
+            meta.prefix_lens,
+            meta.extend_start_loc,
+            meta.context_start_loc,
             layer.scaling,
-            max_extend_len=meta["max_extend_len"],  # type: ignore[arg-type]
+            max_extend_len=meta.max_extend_len,
         )
 
-    def forward_extend(self, q, k, v, layer, fb, save_kv=True):
-        if self.is_mla or self.is_fp8 or k is None or v is None:
-            if save_kv and k is not None:
-                self._store(layer, fb, k, v)
-            return super().forward_extend(q, k, v, layer, fb, save_kv=False)
-        if save_kv:
-            self._store(layer, fb, k, v)
-        assert isinstance(self.kv_pool, MHATokenToKVPool)
-        meta = fb.attn_metadata
-        return extend_attention(
-            q,
-            k,
-            v,
-            self.kv_pool.k_buffer[layer.layer_id],
-            self.kv_pool.v_buffer[layer.layer_id],
-            fb.req_to_token,
-            fb.req_pool_indices,
-            fb.seq_lens,
-            meta["prefix_lens"],  # type: ignore[arg-type]
-            meta["extend_start_loc"],  # type: ignore[arg-type]
-            layer.scaling,
-            max_extend_len=meta["max_extend_len"],  # type: ignore[arg-type]
-        )
-
-
-def _pool_device(pool: KVPool) -> torch.device:
-    if isinstance(pool, MLATokenToKVPool):
-        return pool.kv_buffer[0].device
-    assert isinstance(pool, MHATokenToKVPool)
-    return pool.k_buffer[0].device
-
-
-def _scale(value: float, device: torch.device) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.float32, device=device)
+    def gather_context(self, layer_id, fb):
+        meta: TritonMetadata = fb.attn_metadata
+        assert meta.native is not None
+        return self.native.gather_from(layer_id, meta.native)
