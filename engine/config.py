@@ -151,7 +151,6 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int = 32
     enable_torch_compile: bool = False
-    torch_compile_max_bs: int = 8
     tp_size: int = 1
     seed: int = 0
     disable_radix_cache: bool = False
