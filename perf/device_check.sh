@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one run of about 6-8 minutes on an H200: the tests that
-# need CUDA (and the engine tests on the Triton backend), the kernel benchmark against FlashMLA,
-# and the offline engine benchmarks against transformers on a random SmolLM2-shaped Llama and on
-# 8 layers of DeepSeek-V2-Lite's shape. Outputs land in $OUT (default perf/results/device).
+# Everything a GPU session checks on an H200: the tests that need CUDA (and the engine tests on
+# the Triton backend), the kernel benchmark against FlashMLA, the offline engine benchmarks
+# against transformers on a random SmolLM2-shaped Llama and on 8 layers of DeepSeek-V2-Lite's
+# shape (about 6-8 minutes together), and bench_engine, the engine on the full V2-Lite shape
+# phase by phase (143 s in a trial run, checkpoint writing included; at most 8 minutes). The
+# device tool allows 10 minutes a command, so run bench_engine as a call of its own. Outputs land in $OUT (default perf/results/device).
 #
 # Through the device tool, from the repository root, carrying the FlashMLA wheel and the default
 # tokenizer (the model's weights are too large to carry; the benchmarks use random weights):
 #   carry: .whl, models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
-#                                                  offline_llama offline_v2lite offline_v2lite_page64)
+#                                                  offline_llama offline_v2lite offline_v2lite_page64
+#                                                  bench_engine)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -52,3 +55,6 @@ step offline_v2lite 240 python3 perf/bench_offline.py --model /tmp/rand-v2lite \
     --json "$OUT/offline_v2lite.json"
 step offline_v2lite_page64 240 python3 perf/bench_offline.py --model /tmp/rand-v2lite \
     --page-size 64 --json "$OUT/offline_v2lite_page64.json"
+# The full V2-Lite shape (31 GB of random bf16 weights, written to /tmp/bench-v2lite once and
+# reused); its --time-budget (450 s) skips measurements expected to end later.
+step bench_engine 570 python3 perf/bench_engine.py --json "$OUT/bench_engine.json"

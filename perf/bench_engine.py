@@ -1,0 +1,763 @@
+"""The engine on DeepSeek-V2-Lite's shape, phase by phase, against the GPU's ceilings (issue 12).
+
+One run (under 8 minutes on one H200):
+- writes the full V2-Lite shape with random bf16 weights (perf/write_v2lite_checkpoint.py), or
+  reuses it, and measures the device-to-device copy bandwidth;
+- batch-1 decode ms/step with CUDA graphs (the default), eagerly (enable_cuda_graph=False), and
+  with torch.compile when the engine accepts enable_torch_compile (it refuses it today);
+- for N requests (512 random prompt tokens, 256 new tokens, ignore_eos, greedy), with bf16 and
+  with FP8 (e4m3) KV: end-to-end output tok/s; the decode phase alone (steps without prefill:
+  ms/step, tok/s, share of the decode ceiling); the prefill phase alone (tok/s, TFLOP/s, share
+  of the compute ceiling);
+- the KV tokens that fit (runner.max_total_tokens at the default mem_fraction), bf16 and FP8;
+- a torch.profiler summary of batch-1 and batch-16 decode steps (kernels, GPU time, wall time).
+
+Phases are timed from outside the engine: `EngineCore.step` and `Scheduler.schedule` are wrapped
+on the instances (each step between two synchronizations, classified by its batch's mode).
+
+Decode ceiling of a step = bytes it must read / copy bandwidth: the expert weights its tokens
+touch (expected distinct experts of b tokens each picking top_k of E uniformly:
+E * (1 - (1 - top_k/E)^b)), the dense, shared-expert, router and attention weights, the LM head,
+the embedding rows, and the KV rows of every context. Prefill ceiling = FLOPs / 790 TFLOP/s:
+2 x the active parameters per token (embedding and LM head aside), the LM head of each sampled
+row, and causal attention (QK and PV over every (query, key) pair of each head).
+
+    python3 perf/bench_engine.py --json /tmp/bench_engine.json            # the full run (GPU)
+    python3 perf/bench_engine.py --quick --ns 1,16                        # a shorter one
+    .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
+
+On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would start
+after `--time-budget` seconds are skipped and listed (an FP8 measurement is expected to take as
+long as its bf16 counterpart did); the JSON is rewritten after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "perf"))
+
+from write_v2lite_checkpoint import write_checkpoint  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import ConfigError  # noqa: E402
+
+COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
+KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
+
+
+# ---- the model's shape and its ceilings ---------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """DeepSeek-V2's dimensions, from config.json, and what a step must read or compute."""
+
+    layers: int
+    hidden: int
+    heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope: int
+    rope: int
+    v: int
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    top_k: int
+    shared: int
+    first_dense: int
+    vocab: int
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> Shape:
+        c = json.loads((path / "config.json").read_text())
+        return cls(
+            c["num_hidden_layers"],
+            c["hidden_size"],
+            c["num_attention_heads"],
+            c.get("q_lora_rank"),
+            c["kv_lora_rank"],
+            c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"],
+            c["v_head_dim"],
+            c["intermediate_size"],
+            c["moe_intermediate_size"],
+            c.get("n_routed_experts") or 0,
+            c["num_experts_per_tok"],
+            c.get("n_shared_experts") or 0,
+            min(c.get("first_k_dense_replace") or 0, c["num_hidden_layers"]),
+            c["vocab_size"],
+        )
+
+    @property
+    def attn_params(self) -> int:
+        """One layer's attention weights and its two norms."""
+        h, qk = self.hidden, self.nope + self.rope
+        r = self.q_lora_rank
+        q = h * self.heads * qk if r is None else h * r + r + r * self.heads * qk
+        kv = h * (self.kv_lora_rank + self.rope) + self.kv_lora_rank
+        kv += self.kv_lora_rank * self.heads * (self.nope + self.v)
+        return q + kv + self.heads * self.v * h + 2 * h
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.first_dense if self.experts else 0
+
+    def layer_fixed_params(self) -> int:
+        """Weights every token reads whatever the routing: attention, dense MLPs, shared
+        experts, routers, final norm."""
+        dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
+        per_moe = self.shared * self.expert_params + self.experts * self.hidden
+        return self.layers * self.attn_params + dense + self.moe_layers * per_moe + self.hidden
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts that `tokens` tokens touch in one layer, routing uniform."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** tokens)
+
+    def decode_bytes(self, batch: int, context: int, wbytes: int, kvbytes: int) -> float:
+        """Bytes a decode step of `batch` requests with `context` KV rows in all must read."""
+        params: float = self.layer_fixed_params() + (self.vocab + batch) * self.hidden
+        params += self.moe_layers * self.expected_experts(batch) * self.expert_params
+        kv = self.layers * (self.kv_lora_rank + self.rope) * kvbytes * context
+        return params * wbytes + kv
+
+    def active_params(self) -> int:
+        """Parameters one token multiplies through (embedding and LM head aside)."""
+        return self.layer_fixed_params() + self.moe_layers * self.top_k * self.expert_params
+
+    def prefill_flops(self, tokens: int, pairs: int, sampled: int) -> float:
+        attn = 2.0 * self.layers * self.heads * pairs * (self.nope + self.rope + self.v)
+        return 2.0 * tokens * self.active_params() + 2.0 * sampled * self.vocab * self.hidden + attn
+
+
+# ---- timing the engine from outside -------------------------------------------------------------
+@dataclass
+class StepRecord:
+    decode: bool
+    seconds: float
+    batch_size: int
+    tokens: int  # input tokens of the step
+    context: int  # KV rows read: the sum of the requests' sequence lengths
+    pairs: int  # causal (query, key) pairs of an extend step
+    sampled: int  # rows that drew a token
+    profiled: bool
+
+
+class StepTimer:
+    """Times every `core.step()` between two device synchronizations and records what the
+    scheduler handed it. Wraps the two methods on the instances; `close()` removes the wraps.
+    `profile(start, count, batch)` runs torch.profiler over `count` steps, from the step after
+    the `start`-th decode step of `batch` requests (all of them decoding: the scheduler gives
+    decoders a step between prefill chunks, and those are not the steps to profile)."""
+
+    def __init__(self, core: Any, device: torch.device) -> None:
+        self.core = core
+        self.device = device
+        self.records: list[StepRecord] = []
+        self._out: Any = None
+        self._schedule = core.scheduler.schedule
+        self._step = core.step
+        core.scheduler.schedule = self._wrapped_schedule
+        core.step = self._wrapped_step
+        self.prof: Any = None
+        self._window: tuple[int, int, int] | None = None
+        self._profiled_left = 0
+
+    def close(self) -> None:
+        del self.core.scheduler.schedule
+        del self.core.step
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def profile(self, start: int, count: int, batch: int) -> None:
+        self._window = (start, count, batch)
+        self.prof = None
+
+    def _wrapped_schedule(self) -> Any:
+        self._out = self._schedule()
+        return self._out
+
+    def _wrapped_step(self) -> bool:
+        profiling = self._maybe_start_profiler()
+        self.sync()
+        t0 = time.perf_counter()
+        ran = self._step()
+        self.sync()
+        dt = time.perf_counter() - t0
+        out, self._out = self._out, None
+        if profiling:
+            self._profiled_left -= 1
+            if self._profiled_left == 0:
+                self.prof.stop()
+        if out is not None:
+            self.records.append(_record(out, dt, profiling))
+        return ran
+
+    def _maybe_start_profiler(self) -> bool:
+        if self._profiled_left > 0:
+            return True
+        if self._window is None:
+            return False
+        start, count, batch = self._window
+        full = [r.decode and r.batch_size == batch for r in self.records]
+        if sum(full) < start or not full[-1]:
+            return False
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        self.prof = profile(activities=acts, acc_events=True)
+        self.prof.start()
+        self._window = None
+        self._profiled_left = count
+        return True
+
+
+def _record(out: Any, seconds: float, profiled: bool) -> StepRecord:
+    batch = out.batch
+    decode = "decode" in str(getattr(batch.mode, "value", batch.mode)).lower()
+    tokens = context = pairs = 0
+    for e in batch.entries:
+        n, p = len(e.input_ids), e.prefix_len
+        tokens += n
+        context += p + n
+        pairs += n * p + n * (n + 1) // 2
+    return StepRecord(
+        decode, seconds, len(batch.entries), tokens, context, pairs, len(out.sample_rows), profiled
+    )
+
+
+# ---- measurements -------------------------------------------------------------------------------
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy of `nbytes`."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(reps):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    del src, dst
+    return 2.0 * nbytes * reps / seconds
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n, length), generator=g).tolist()
+
+
+@dataclass
+class Ceilings:
+    shape: Shape
+    wbytes: int  # bytes per weight value
+    kvbytes: int  # bytes per KV value
+    bandwidth: float  # B/s
+
+    def decode_s(self, r: StepRecord) -> float:
+        return self.shape.decode_bytes(r.batch_size, r.context, self.wbytes, self.kvbytes) / (
+            self.bandwidth
+        )
+
+    def prefill_flops(self, r: StepRecord) -> float:
+        return self.shape.prefill_flops(r.tokens, r.pairs, r.sampled)
+
+
+def decode_phase(dec: list[StepRecord], ceil: Ceilings) -> dict[str, Any] | None:
+    if not dec:
+        return None
+    s = sum(r.seconds for r in dec)
+    toks = sum(r.batch_size for r in dec)
+    c = sum(ceil.decode_s(r) for r in dec)
+    return dict(
+        steps=len(dec),
+        ms_per_step=1e3 * s / len(dec),
+        ms_per_step_median=1e3 * statistics.median(r.seconds for r in dec),
+        tok_s=toks / s,
+        mean_batch=toks / len(dec),
+        mean_context=sum(r.context for r in dec) / toks,
+        ceiling_ms_per_step=1e3 * c / len(dec),
+        ceiling_tok_s=toks / c,
+        ceiling_share=c / s,
+    )
+
+
+def phases(records: list[StepRecord], ceil: Ceilings, batch: int = 1) -> dict[str, Any]:
+    """The phases of one run of `batch` requests, against their ceilings: `decode` (every step
+    without prefill, including those the scheduler slips between prefill chunks), `decode_full`
+    (the steps where all `batch` requests decode: the steady state) and `prefill`."""
+    dec = [r for r in records if r.decode and not r.profiled]
+    pre = [r for r in records if not r.decode and not r.profiled]
+    out: dict[str, Any] = {
+        "decode": decode_phase(dec, ceil),
+        "decode_full": decode_phase([r for r in dec if r.batch_size == batch], ceil),
+        "prefill": None,
+    }
+    if pre:
+        s = sum(r.seconds for r in pre)
+        toks = sum(r.tokens for r in pre)
+        flops = sum(ceil.prefill_flops(r) for r in pre)
+        out["prefill"] = dict(
+            steps=len(pre),
+            tokens=toks,
+            seconds=s,
+            tok_s=toks / s,
+            tflop_s=flops / s / 1e12,
+            ceiling_tok_s=toks / (flops / COMPUTE_PEAK),
+            ceiling_share=flops / COMPUTE_PEAK / s,
+        )
+    return out
+
+
+def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
+    """Per-step kernels, GPU time and host calls of the profiled steps."""
+    steps = sum(r.profiled for r in records)
+    events = prof.events()
+    gpu = [e for e in events if str(e.device_type).endswith("CUDA")]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        slot = by_name[e.name[:90]]
+        slot[0] += 1
+        slot[1] += e.time_range.end - e.time_range.start
+    gpu_us = sum(e.time_range.end - e.time_range.start for e in gpu)
+    cpu_names: dict[str, int] = defaultdict(int)
+    for e in events:
+        if not str(e.device_type).endswith("CUDA"):
+            cpu_names[e.name] += 1
+    launches = sum(n for k, n in cpu_names.items() if "LaunchKernel" in k)
+    prof_walls = [r.seconds for r in records if r.profiled and r.decode]
+    walls = [r.seconds for r in records if not r.profiled and r.decode]
+    wall_ms = 1e3 * statistics.median(walls) if walls else None
+    gpu_ms = gpu_us / 1e3 / steps if gpu else None
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]
+    return dict(
+        steps=steps,
+        all_decode=all(r.decode for r in records if r.profiled),
+        batch_sizes=sorted({r.batch_size for r in records if r.profiled}),
+        kernels_per_step=len(kernels) / steps if gpu else None,
+        memcpy_memset_per_step=(len(gpu) - len(kernels)) / steps if gpu else None,
+        gpu_ms_per_step=gpu_ms,
+        wall_ms_per_step=wall_ms,
+        wall_ms_per_step_profiled=1e3 * statistics.median(prof_walls) if prof_walls else None,
+        gpu_idle_ms_per_step=wall_ms - gpu_ms if wall_ms is not None and gpu_ms else None,
+        kernel_launch_calls_per_step=launches / steps,
+        graph_launches_per_step=cpu_names.get("cudaGraphLaunch", 0) / steps,
+        aten_ops_per_step=sum(n for k, n in cpu_names.items() if k.startswith("aten::")) / steps,
+        top_kernels=[
+            dict(name=name, per_step=n / steps, ms_per_step=us / 1e3 / steps)
+            for name, (n, us) in top
+        ],
+    )
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+class Bench:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        ckpt: Path,
+        device: torch.device,
+        bandwidth: float,
+        t0: float,
+    ) -> None:
+        self.args = args
+        self.ckpt = ckpt
+        self.device = device
+        self.shape = Shape.from_checkpoint(ckpt)
+        self.seed = 1000
+        self.t0 = t0  # when the run started: the time budget counts from there
+        self.bandwidth = bandwidth
+
+    def over_budget(self, expected_s: float = 0.0) -> bool:
+        """Would something that takes `expected_s` end after the time budget?"""
+        return time.perf_counter() - self.t0 + expected_s > self.args.time_budget
+
+    def make_llm(self, **overrides: Any) -> LLM:
+        a = self.args
+        kw: dict[str, Any] = dict(device=a.device, max_running_requests=a.max_running)
+        if a.max_context_len:
+            kw["max_context_len"] = a.max_context_len
+        kw.update(overrides)
+        return LLM(str(self.ckpt), **kw)
+
+    def release(self) -> None:
+        """Give the memory of engines that are gone back to the device: the next engine sizes
+        its KV pool from what is free. Callers drop their last reference first."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            logging.info("device memory free: %.1f of %.1f GiB", free / 2**30, total / 2**30)
+
+    def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
+        self.seed += 1  # new ids each run: no prefix of one run is cached from another
+        return random_prompts(n, length or self.args.prompt_len, self.shape.vocab, self.seed)
+
+    def generate(self, llm: LLM, n: int, max_tokens: int, length: int | None = None) -> float:
+        """Seconds for n fresh prompts to each produce max_tokens tokens."""
+        prompts = self.prompts(n, length)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        got = sum(len(o.token_ids) for o in outs)
+        assert got == n * max_tokens, f"expected {n * max_tokens} tokens, got {got}"
+        return seconds
+
+    def ceilings(self, llm: LLM, kv: str) -> Ceilings:
+        wbytes = torch.empty(0, dtype=llm.core.runner.dtype).element_size()
+        return Ceilings(self.shape, wbytes, 1 if kv == "fp8" else wbytes, self.bandwidth)
+
+    def batch1_engine(self, **overrides: Any) -> dict[str, Any] | None:
+        """Batch-1 decode of an engine of its own (eager, compiled); a config the engine refuses
+        is reported as unavailable."""
+        try:
+            llm = self.make_llm(**overrides)
+        except ConfigError as e:
+            return {"unavailable": str(e)}
+        try:
+            return self.batch1(llm, self.ceilings(llm, "bf16"))
+        finally:
+            llm.shutdown()
+            del llm
+            self.release()
+
+    def batch1(self, llm: LLM, ceil: Ceilings) -> dict[str, Any]:
+        """Decode ms/step of one request (median over its decode steps)."""
+        if not self.args.no_warmup:
+            self.generate(llm, 1, 4)
+        timer = StepTimer(llm.core, self.device)
+        try:
+            self.generate(llm, 1, self.args.b1_tokens)
+        finally:
+            timer.close()
+        return phases(timer.records, ceil)["decode_full"]
+
+    def run_n(self, llm: LLM, n: int, ceil: Ceilings) -> dict[str, Any]:
+        a = self.args
+        warm_s = None
+        if not a.no_warmup:  # same shapes, a few tokens: Triton compiles before the timed run
+            warm_s = self.generate(llm, n, 2)
+        graphs = getattr(llm.core.runner, "graph_runner", None)
+        replays = getattr(graphs, "replays", 0)
+        timer = StepTimer(llm.core, self.device)
+        try:
+            seconds = self.generate(llm, n, a.max_tokens)
+        finally:
+            timer.close()
+        result = dict(n=n, e2e_s=seconds, e2e_tok_s=n * a.max_tokens / seconds, warmup_s=warm_s)
+        result["graph_replays"] = getattr(graphs, "replays", 0) - replays
+        result.update(phases(timer.records, ceil, n))
+        return result
+
+    def profile(self, llm: LLM, n: int) -> dict[str, Any]:
+        timer = StepTimer(llm.core, self.device)
+        warm, count = 3, self.args.profile_steps
+        timer.profile(warm, count, n)
+        # The first requests decode between the prefill chunks of the others: they are that many
+        # tokens ahead when all n decode, and must not finish inside the window.
+        chunks = -(-n * self.args.prompt_len // llm.config.chunked_prefill_size)
+        try:
+            self.generate(llm, n, warm + count + chunks + 3)
+        finally:
+            timer.close()
+            if timer._profiled_left > 0:  # the run ended inside the window
+                timer.prof.stop()
+        if timer.prof is None:
+            return {"error": "the profiler did not start"}
+        return summarize_profile(timer.prof, timer.records)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    device = torch.device(
+        args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    args.device = device.type
+    result: dict[str, Any] = dict(meta=meta(args, device))
+
+    def save() -> None:
+        result["total_s"] = time.perf_counter() - t_start
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+
+    ckpt = Path(args.out)
+    result["checkpoint"] = write_checkpoint(ckpt, args.layers, args.tiny, device.type)
+    say(f"checkpoint: {json.dumps(result['checkpoint'])}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the engines size their KV pools from the free memory
+    result["copy_bandwidth_Bps"] = bw
+    say(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s")
+    bench = Bench(args, ckpt, device, bw, t_start)
+    b1_context = args.prompt_len + args.b1_tokens // 2  # the mean context of the batch-1 run
+    result["decode_ceiling_batch1_ms"] = 1e3 * bench.shape.decode_bytes(1, b1_context, 2, 2) / bw
+    result.update(kv_tokens={}, batch1={}, runs=[], profile={}, skipped=[], errors={}, task_s={})
+    save()
+
+    kvs = [k for k in ("bf16", "fp8") if k in args.kv.split(",")]
+    profile_ns = [int(x) for x in args.profile_ns.split(",") if x]
+    per_engine = {
+        kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
+    }
+    bar = tqdm(total=2 + sum(per_engine.values()), desc="bench_engine", unit="task")
+
+    took: dict[str, float] = result["task_s"]
+
+    def task(name: str, fn: Callable[[], Any], like: str | None = None) -> Any:
+        """Run one measurement unless it would end after the time budget (it is expected to
+        take as long as the task `like` took). An error is recorded and the run goes on (a CUDA
+        error that breaks the device then fails the later tasks too)."""
+        bar.set_description(name)
+        t0 = time.perf_counter()
+        try:
+            if bench.over_budget(took.get(like or "", 0.0)):
+                result["skipped"].append(name)
+                return None
+            return fn()
+        except Exception as e:
+            logging.exception("%s failed", name)
+            result["errors"][name] = f"{type(e).__name__}: {e}"
+            return None
+        finally:
+            took[name] = time.perf_counter() - t0
+            bar.update(1)
+            save()
+
+    # Eager first: it also compiles the Triton kernels that the graph captures then reuse.
+    result["batch1"]["eager_bf16"] = task(
+        "eager batch 1", lambda: bench.batch1_engine(enable_cuda_graph=False)
+    )
+    if args.skip_compile:
+        bar.update(1)
+    else:
+        result["batch1"]["compile_bf16"] = task(
+            "compile batch 1", lambda: bench.batch1_engine(enable_torch_compile=True)
+        )
+    for kv in kvs:
+        if bench.over_budget(took.get("bf16 engine", 0.0)):
+            result["skipped"].append(f"{kv} engine")
+            bar.update(per_engine[kv])
+            continue
+        t0 = time.perf_counter()
+        llm = bench.make_llm(kv_cache_dtype=KV_DTYPES[kv])
+        took[f"{kv} engine"] = time.perf_counter() - t0
+        try:
+            result["kv_tokens"][kv] = llm.core.runner.max_total_tokens
+            graphs = getattr(llm.core.runner, "graph_runner", None) is not None
+            ceil = bench.ceilings(llm, kv)
+            name = f"graphs_{kv}" if graphs else f"default_{kv}"
+            b1 = result["batch1"][name] = task(
+                f"{kv} batch 1", partial(bench.batch1, llm, ceil), "bf16 batch 1"
+            )
+            if b1:
+                say(f"batch-1 decode, {name}: {b1['ms_per_step_median']:.2f} ms/step")
+            for n in args.ns_list:
+                r = task(f"{kv} N={n}", partial(bench.run_n, llm, n, ceil), f"bf16 N={n}")
+                if r:
+                    result["runs"].append(dict(kv=kv, **r))
+                    say(row(result["runs"][-1]))
+            if kv == "bf16":
+                for n in profile_ns:
+                    p = task(f"profile b={n}", partial(bench.profile, llm, n))
+                    if p:
+                        result["profile"][f"{kv}_b{n}"] = p
+        finally:
+            llm.shutdown()
+            del llm
+            bench.release()
+    bar.close()
+    save()
+    return result
+
+
+# ---- output -------------------------------------------------------------------------------------
+def say(text: str) -> None:
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _f(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def row(r: dict[str, Any]) -> str:
+    d, p = r.get("decode_full") or {}, r.get("prefill") or {}
+    share = d.get("ceiling_share")
+    pshare = p.get("ceiling_share")
+    return (
+        f"{r['kv']:<5}{r['n']:>5} | {r['e2e_tok_s']:>9.1f} | "
+        f"{_f(d.get('ms_per_step'), '.2f'):>8} {_f(d.get('tok_s')):>9} "
+        f"{_f(d.get('ceiling_tok_s')):>9} {_f(share and 100 * share, '.0f'):>4}% | "
+        f"{_f(p.get('tok_s'), '.0f'):>9} {_f(p.get('tflop_s')):>7} "
+        f"{_f(pshare and 100 * pshare, '.0f'):>4}%"
+    )
+
+
+HEADER = (
+    "decode: the steps where all N requests decode; of% = share of the ceiling\n"
+    "kv       N | e2e tok/s |  dec ms/st dec tok/s  ceil t/s  of% | pre tok/s TFLOP/s  of%\n"
+    + "-"
+    * 86
+)
+
+
+def report(res: dict[str, Any]) -> str:
+    lines = [f"copy bandwidth {res['copy_bandwidth_Bps'] / 1e9:.0f} GB/s"]
+    b1 = res["batch1"]
+    parts = []
+    for name, d in b1.items():
+        if d and "ms_per_step_median" in d:
+            parts.append(f"{name} {d['ms_per_step_median']:.2f}")
+        elif d:
+            parts.append(f"{name} n/a ({d.get('unavailable', '').split(';')[0][:60]})")
+    lines.append(
+        f"batch-1 decode ms/step: {' | '.join(parts)} | ceiling "
+        f"{res['decode_ceiling_batch1_ms']:.2f}"
+    )
+    kv = res["kv_tokens"]
+    ratio = f" ({kv['fp8'] / kv['bf16']:.2f}x)" if "bf16" in kv and "fp8" in kv else ""
+    lines.append("KV tokens: " + " | ".join(f"{k} {v:,}" for k, v in kv.items()) + ratio)
+    lines += [HEADER] + [row(r) for r in res["runs"]]
+    for name, p in res["profile"].items():
+        if "error" in p:
+            lines.append(f"profile {name}: {p['error']}")
+            continue
+        lines.append(
+            f"profile {name}: {_f(p['kernels_per_step'], '.0f')} kernels/step, GPU "
+            f"{_f(p['gpu_ms_per_step'], '.2f')} ms, wall {_f(p['wall_ms_per_step'], '.2f')} ms, "
+            f"GPU idle {_f(p['gpu_idle_ms_per_step'], '.2f')} ms, "
+            f"{p['kernel_launch_calls_per_step']:.0f} launches + "
+            f"{p['graph_launches_per_step']:.0f} graph launches, "
+            f"{p['aten_ops_per_step']:.0f} aten ops per step"
+        )
+        for k in p["top_kernels"][:5]:
+            lines.append(f"    {k['ms_per_step']:7.3f} ms {k['per_step']:6.1f}x  {k['name'][:70]}")
+    if res["skipped"]:
+        lines.append(f"skipped (time budget): {', '.join(res['skipped'])}")
+    lines.append(f"total {res['total_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _git(*cmd: str) -> str:
+    try:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
+def meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    # NOTE: what git says in this copy of the repository; a copy whose .git is not the working
+    # tree's own reports another commit. Name the commit in RESULTS.md from the source side.
+    commit = _git("rev-parse", "--short", "HEAD").strip()
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+    versions: dict[str, str | None] = {"torch": str(torch.__version__)}
+    for mod in ("triton", "transformers"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    return dict(
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        commit=commit or None,
+        uncommitted_changes=dirty if commit else None,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        versions=versions,
+        args={k: v for k, v in vars(args).items() if k != "ns_list"},
+        compute_peak_flops=COMPUTE_PEAK,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="/tmp/bench-v2lite", help="checkpoint directory (reused)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the depth (default: 27)")
+    ap.add_argument("--tiny", action="store_true", help="a small shape that runs on CPU")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true", help="N = 1,16,64 and 64 new tokens")
+    ap.add_argument("--ns", default=None, help="request counts, e.g. 1,16 (default 1,16,...,256)")
+    ap.add_argument("--kv", default="bf16,fp8", help="KV dtypes to run: bf16, fp8 or both")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")
+    ap.add_argument("--b1-tokens", type=int, default=None, help="batch-1 run length (64)")
+    ap.add_argument("--profile-ns", default="1,16", help="batch sizes to profile (bf16 KV)")
+    ap.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled")
+    ap.add_argument("--max-running", type=int, default=None, help="default max(64, max N)")
+    ap.add_argument("--max-context-len", type=int, default=None, help="default: the model's")
+    ap.add_argument("--no-warmup", action="store_true", help="no warm-up run before each N")
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; see above")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
+    ap.add_argument("--json", help="write the results here (rewritten after every task)")
+    a = ap.parse_args(argv)
+    if a.ns:
+        a.ns_list = [int(x) for x in a.ns.split(",")]
+    elif a.tiny:
+        a.ns_list = [1, 4] if a.quick else [1, 4, 16]
+    else:
+        a.ns_list = [1, 16, 64] if a.quick else [1, 16, 64, 128, 256]
+    a.prompt_len = a.prompt_len or (32 if a.tiny else 512)
+    a.max_tokens = a.max_tokens or (8 if a.tiny else 64 if a.quick else 256)
+    a.b1_tokens = a.b1_tokens or (8 if a.tiny else 64)
+    a.max_running = a.max_running or max(64, *a.ns_list)
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    threads = args.threads or (1 if args.tiny else None)
+    if threads:  # tiny tensors: more threads only wait on each other on a busy machine
+        torch.set_num_threads(threads)
+    res = run(args)
+    print(report(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
