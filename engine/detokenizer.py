@@ -9,9 +9,19 @@ only once the window does not end in U+FFFD (a character still being assembled).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+# Any one of these in a checkpoint directory lets transformers build its tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+    "vocab.txt",
+)
 # How many prompt tokens of left context the first window gets (as SGLang / vLLM).
 INITIAL_CONTEXT_TOKENS = 5
 
@@ -22,11 +32,13 @@ class IncrementalDetokenizer:
     Contract:
       - `add(token_id)` returns the new text (possibly ""); `flush()` at finish returns what was
         held back. While no stop string is hit, the concatenation of all deltas plus `flush()`
-        equals `tokenizer.decode(output_ids, skip_special_tokens=...)` for tokenizers whose decode
-        concatenates (byte-level BPE); for SentencePiece ones the prompt context additionally
-        gives the first token its leading space.
+        equals `tokenizer.decode(output_ids, skip_special_tokens=...)` without its trailing
+        U+FFFD characters, for tokenizers whose decode concatenates (byte-level BPE); for
+        SentencePiece ones the prompt context additionally gives the first token its leading
+        space.
       - A delta never ends inside a multi-byte character: text whose window ends in U+FFFD is
-        held until the character completes (or `flush()` releases it as decode would).
+        held until the character completes. `flush()` drops a character left incomplete (the
+        output was cut inside it, e.g. by max_tokens) instead of sending U+FFFD, as vLLM does.
       - Stop strings: once the output contains one, `stopped` is True, `stop_str` names it, the
         text is cut just before it (the stop string itself is never emitted) and every later
         `add` / `flush` returns "". A tail that could be the start of a stop string is held back
@@ -78,7 +90,7 @@ class IncrementalDetokenizer:
         return self._release(self._decode_window(final=False), final=False)
 
     def flush(self) -> str:
-        """At finish: return all held-back text (incomplete characters decode as U+FFFD)."""
+        """At finish: return all held-back text, less a trailing incomplete character."""
         if self.stopped:
             return ""
         return self._release(self._decode_window(final=True), final=True)
@@ -100,7 +112,8 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        delta = new_text[len(prefix_text) :]
+        return delta.rstrip(REPLACEMENT_CHAR) if final else delta
 
     def _release(self, delta: str, final: bool) -> str:
         """Check stop strings on pending + delta and emit what can no longer start one."""
@@ -136,3 +149,26 @@ class IncrementalDetokenizer:
         if s:
             self._emitted.append(s)
         return s
+
+
+def check_tokenizer_files(model_dir: str | Path) -> None:
+    """Raise ValueError when a checkpoint directory (with a config.json) has no tokenizer files,
+    before transformers fails on it with a message about its own internals."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        return  # not a checkpoint directory: ModelConfig.from_pretrained says so
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory {str(path)!r} has no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)}); copy the tokenizer the checkpoint was trained with "
+            "into it (e.g. tokenizer.save_pretrained(dir))"
+        )
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry.
+
+    Entries are written one character per byte (byte-level BPE) or per character
+    (SentencePiece), so a text of n characters has at least n / max_token_chars tokens.
+    """
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
