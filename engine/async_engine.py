@@ -10,10 +10,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import check_tokenizer_files, max_token_chars
 from engine.engine_core import Callback, EngineCore
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,13 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        try:
+            check_tokenizer_files(config.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.core = EngineCore(config)
+        # A text longer than this cannot fit the context, whatever it tokenizes to.
+        self.max_prompt_chars = self.core.max_context_len * max_token_chars(self.core.tokenizer)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -53,8 +60,24 @@ class AsyncEngine:
         params: SamplingParams,
         callback: Callback,
     ) -> None:
+        """Queue a request; raise ValueError (before tokenizing, where it can) if it cannot run.
+
+        SamplingParamsError when `max_tokens` is above `EngineConfig.max_tokens_cap` (refused, as
+        vLLM refuses a max_tokens beyond the context); ValueError for a prompt that cannot fit.
+        """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
+        cap = self.config.max_tokens_cap
+        if cap is not None and params.max_tokens > cap:
+            raise SamplingParamsError(
+                f"max_tokens={params.max_tokens} is above this server's limit of {cap} "
+                "(max_tokens_cap)"
+            )
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt has {len(prompt)} characters; the context limit of "
+                f"{self.max_context_len} tokens holds at most {self.max_prompt_chars}"
+            )
         ids = self.core.tokenize(prompt)
         self._submit(lambda: self._add(request_id, ids, params, callback))
 

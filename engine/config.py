@@ -154,6 +154,7 @@ class EngineConfig:
     tp_size: int = 1
     seed: int = 0
     disable_radix_cache: bool = False
+    max_tokens_cap: int | None = None  # a request asking for more max_tokens is refused
     debug_checks: bool = False  # run the KV-slot integrity check whenever the engine is idle
 
     def __post_init__(self) -> None:
@@ -177,6 +178,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction <= 1.0:

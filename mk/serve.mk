@@ -4,6 +4,7 @@
 #   make serve                  start Triton with the default model (Ctrl-C stops it)
 #   make serve SERVE_ARGS="--http-port 9000 -- --log-verbose=1"
 #   make perf-deps              install perf_analyzer (for perf/perf_analyzer_sweep.sh, genai-perf)
+#   make soak                   the long reliability tests (drain, killed stub, killed launcher)
 
 SERVE_ARGS ?=
 PA_DIR := $(VENV)/lib/perf_analyzer
@@ -42,3 +43,9 @@ $(PA_WRAPPER): | setup
 	printf '#!/bin/sh\nLD_LIBRARY_PATH="%s$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" exec "%s" "$$@"\n' \
 		"$(abspath $(PA_DIR))" "$(abspath $(PA_BIN))" > $(PA_WRAPPER)
 	chmod +x $(PA_WRAPPER)
+
+# `make soak`: the long reliability runs against the real server (tests marked `soak`: SIGTERM
+# with long streams, a killed stub, a killed launcher); `make test` leaves them out.
+.PHONY: soak
+soak: model
+	$(VENV)/bin/pytest -q -s -m soak tests/e2e

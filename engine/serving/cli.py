@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import signal
+import os
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from engine.serving.install import (
     REPO_ROOT,
     STUB_NAME,
     TritonInstall,
     find_tritonserver,
+    has_nvidia_gpu,
     libpython_dirs,
 )
-from engine.serving.process import Server, child_stubs, kill_stubs, start_server
+from engine.serving.lifecycle import GRACE_ENV, grace_from_env
+from engine.serving.process import Server, start_server
+from engine.serving.supervisor import KILL_MARGIN_S, Supervisor
+
+# Lines tritonserver prints on a machine without a GPU that mean nothing there (no flag hides
+# them; CPU_FLAGS in process.py avoid the others).
+CPU_NOISE = (b"CudaDriverHelper has not been initialized", b"CUDA memory pool disabled")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the model to load"
     )
     parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=grace_from_env(),
+        help="on SIGTERM/Ctrl-C, seconds in-flight requests may still run before they are ended "
+        f"with a 'server shutting down' error (default: ${GRACE_ENV} or 10)",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="report what would be started, then exit"
     )
     args, extra = parser.parse_known_args(argv)
@@ -46,38 +63,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tritonserver: {install.binary}", flush=True)
     if args.check:
         return _check(install, args.model_repository)
-    server = start_server(
-        args.model_repository,
-        args.http_port,
-        args.grpc_port,
-        args.metrics_port,
-        extra,
-        install=install,
-        new_session=True,  # the terminal's Ctrl-C reaches us; we forward it exactly once
+    if not any(a.startswith("--exit-timeout-secs") for a in extra):
+        # Above the launcher's own limit, so Triton's exit-timeout path (which crashes and hangs
+        # in 2.51 with streams in flight) is never taken; the launcher kills first.
+        extra.append(f"--exit-timeout-secs={int(args.shutdown_grace + KILL_MARGIN_S + 5)}")
+    env = dict(os.environ)
+    env[GRACE_ENV] = str(args.shutdown_grace)
+    relay = not has_nvidia_gpu()  # filter the CPU-only noise out of the server's output
+
+    def start() -> Server:
+        server = start_server(
+            args.model_repository,
+            args.http_port,
+            args.grpc_port,
+            args.metrics_port,
+            extra,
+            install=install,
+            env=env,
+            stdout=subprocess.PIPE if relay else None,
+            new_session=True,  # the terminal's Ctrl-C reaches only us; we drain, then stop it
+            port_wait_s=10.0 if started else 0.0,  # a restart: the old server's ports free up
+        )
+        started.append(server)
+        if relay and server.process.stdout is not None:
+            threading.Thread(target=_relay, args=(server.process.stdout,), daemon=True).start()
+        return server
+
+    started: list[Server] = []
+    supervisor = Supervisor(
+        start, args.shutdown_grace, args.ready_timeout, on_ready=_print_endpoints, log=_log
     )
-    signals_seen = 0
-
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if server.process.poll() is None:
-            # A second signal means "now": do not wait for in-flight requests.
-            server.process.send_signal(signum if signals_seen == 1 else signal.SIGKILL)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
     try:
-        server.wait_ready(args.ready_timeout)
-    except (RuntimeError, TimeoutError) as e:
-        if signals_seen == 0:
-            print(f"error: {e}", file=sys.stderr)
-        server.stop(timeout=10)
+        return supervisor.run()
+    except OSError as e:  # a port in use
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    _print_endpoints(server)
-    stubs = child_stubs(server.process.pid)
-    code = server.process.wait()
-    kill_stubs(stubs)
-    return code
+
+
+def _relay(lines: IO[bytes]) -> None:
+    for line in lines:
+        if not any(noise in line for noise in CPU_NOISE):
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _default_repository() -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.metrics import RequestTimer
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -30,7 +30,7 @@ InputGetter = Callable[[str], Any]
 
 
 class BadRequest(ValueError):
-    """The request is malformed; the message goes back to the client."""
+    """The request is malformed; the message, which names the input, goes back to the client."""
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ParsedRequest:
 def parse_request(
     get: InputGetter, parameters_json: str, chat_template: Callable[[str], str]
 ) -> ParsedRequest:
-    """Parse one request; raise ValueError (`BadRequest`, `SamplingParamsError`) when it is bad.
+    """Parse one request; raise `BadRequest` naming the input when it is bad.
 
     `parameters_json` is the request's parameters object (HTTP generate puts extra body keys
     there; vllm_backend reads sampling settings from it when `sampling_parameters` is absent).
@@ -55,7 +55,7 @@ def parse_request(
     if prompt is None:
         raise BadRequest("missing required input 'text_input'")
     if not prompt:
-        raise BadRequest("'text_input' is empty")
+        raise BadRequest("input 'text_input' is empty")
     stream = bool(_flag(get, "stream", False))
     exclude = _flag(get, "exclude_input_in_output", None)
     if stream and exclude is False:
@@ -64,13 +64,17 @@ def parse_request(
             "(a stream carries only new text)"
         )
     raw = _text(get, "sampling_parameters")
-    if raw is None:
-        extra = json.loads(parameters_json or "{}")
-        params = SamplingParams.from_dict(
-            {k: v for k, v in extra.items() if not k.startswith("triton_")}
-        )
-    else:
-        params = SamplingParams.from_json(raw)
+    try:
+        if raw is None:
+            extra = json.loads(parameters_json or "{}")
+            params = SamplingParams.from_dict(
+                {k: v for k, v in extra.items() if not k.startswith("triton_")}
+            )
+        else:
+            params = SamplingParams.from_json(raw)
+    except ValueError as e:  # SamplingParamsError, or a parameters object it cannot read
+        source = "input 'sampling_parameters'" if raw is not None else "request parameters"
+        raise BadRequest(f"{source}: {e}") from None
     returns = {name: bool(_flag(get, name, False)) for name in RETURN_FLAGS}
     if returns["return_logprobs"] or returns["return_cumulative_logprob"]:
         params.logprobs = True
@@ -84,7 +88,22 @@ def _text(get: InputGetter, name: str) -> str | None:
     value = get(name)
     if value is None:
         return None
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        message = f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})"
+        raise BadRequest(message) from None
+
+
+def rejection(error: Exception) -> str:
+    """The client's message for an error of `AsyncEngine.add_request`, naming the input."""
+    if isinstance(error, SamplingParamsError):
+        return f"input 'sampling_parameters': {error}"
+    if isinstance(error, ValueError):  # the prompt: too long for the context, bad token ids
+        return f"input 'text_input': {error}"
+    return str(error)
 
 
 def _flag(get: InputGetter, name: str, default: bool | None) -> bool | None:
@@ -116,7 +135,13 @@ class Stream:
     texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     num_output_tokens: int = 0
+    replied: bool = False  # a response (not the final one) was sent
     cancelled: bool = False  # the client went away; the engine was told to abort
+
+    @property
+    def unanswered(self) -> bool:
+        """Nothing sent yet and not cancelled: Triton would not notice its HTTP client leave."""
+        return not self.replied and not self.cancelled
 
     def on_delta(self, out: RequestOutput) -> Reply | None:
         """What to send for this delta (None: nothing yet). A finished delta always replies."""
@@ -131,6 +156,7 @@ class Stream:
                 self.texts.append(out.text)
                 return None
             if out.text or (out.token_ids and returns["return_num_output_tokens"]):
+                self.replied = True
                 return Reply(self._outputs(out, out.text, len(out.token_ids)))
             return None
         if out.error:

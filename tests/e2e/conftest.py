@@ -2,6 +2,10 @@
 
 The server gets small engine limits through `LLM_<FIELD>` variables (the same ones users set),
 and the offline `LLM` in this process gets the same limits, so greedy outputs can be compared.
+One server serves the whole session (every module that asks for `server`).
+
+Tests marked `soak` (long: they start and stop their own servers) run only when selected:
+`make soak` (`pytest -m soak tests/e2e`); `make test` leaves them out.
 """
 
 from __future__ import annotations
@@ -24,11 +28,30 @@ if str(REPO_ROOT) not in sys.path:
 
 MODEL_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 # Small limits keep the server light on a 2-core CI machine and make "too long" cheap to hit.
-ENGINE_OVERRIDES: dict[str, Any] = {"max_context_len": 512, "max_total_tokens": 8192}
+ENGINE_OVERRIDES: dict[str, Any] = {
+    "max_context_len": 512,
+    "max_total_tokens": 8192,
+    "max_tokens_cap": 1000,
+}
 READY_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "soak: long end-to-end run (make soak); left out unless -m selects it"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "soak" in (config.getoption("markexpr", "") or ""):
+        return
+    soak = [item for item in items if "soak" in item.keywords]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if "soak" not in item.keywords]
+
+
+@pytest.fixture(scope="session")
 def server(started_server: tuple[Server, Path], offline: Any) -> Server:
     """The server, ready. The offline reference loads while the server starts."""
     srv, log_path = started_server
@@ -40,7 +63,7 @@ def server(started_server: tuple[Server, Path], offline: Any) -> Server:
     return srv
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def started_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     install = find_tritonserver()
     if install is None:
@@ -64,10 +87,10 @@ def started_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
             stdout=log,
         )
     yield srv, log_path
-    srv.stop(timeout=30)  # SIGTERM, SIGKILL if it hangs, then any orphaned backend stub
+    srv.stop(timeout=30)  # SIGTERM (the model drains), then SIGKILL of what is left
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline() -> Any:
     """The same engine, offline, with the server's limits: the reference for greedy text."""
     from engine import LLM

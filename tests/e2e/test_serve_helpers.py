@@ -1,8 +1,11 @@
-"""The serving helpers without a server: engine settings from model.json + env, and metrics."""
+"""The serving helpers without a server: engine settings from model.json + env, metrics, the
+request protocol, finding HTTP clients that left, and the stub's drain and parent watch."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,10 +15,26 @@ from typing import Any
 import pytest
 
 from engine.config import ConfigError, EngineConfig, engine_config_dict
-from engine.metrics import MetricsExporter, RequestTiming
-from engine.outputs import EngineStats
+from engine.metrics import MetricsExporter, RequestTimer, RequestTiming
+from engine.outputs import EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.serve import REPO_ROOT
-
+from engine.serving.disconnects import (
+    HttpDisconnects,
+    close_wait_times,
+    match_disconnected,
+    server_http_port,
+)
+from engine.serving.lifecycle import grace_from_env
+from engine.serving.protocol import (
+    RETURN_FLAGS,
+    BadRequest,
+    ParsedRequest,
+    Reply,
+    Stream,
+    parse_request,
+    rejection,
+)
 
 HEAVY = ("torch", "transformers", "numpy", "tritonclient", "triton")
 
@@ -157,3 +176,191 @@ def test_metrics_exporter_publishes_differences() -> None:
     assert by_reason == {"stop": 1, "length": 2, "abort": 0}
     assert made["llm_time_to_first_token_seconds"].metrics[0].observed == [0.1]
     assert made["llm_inter_token_latency_seconds"].metrics[0].observed == [0.02, 0.03]
+
+
+def test_request_timer_splits_a_multi_token_delta() -> None:
+    timer = RequestTimer(arrival=10.0)
+    timer.on_tokens(1, now=10.5)
+    timer.on_tokens(2, now=10.7)
+    timing = timer.timing(now=11.0)
+    assert timing.ttft == 0.5 and timing.e2e == 1.0
+    assert timing.inter_token == pytest.approx([0.1, 0.1])
+
+
+# --- the request/response protocol (engine.serving.protocol) ------------------------------------
+
+
+def getter(values: dict[str, Any]) -> Any:
+    return lambda name: values.get(name)
+
+
+def parse(values: dict[str, Any], parameters: str = "") -> ParsedRequest:
+    return parse_request(getter(values), parameters, lambda p: f"<user>{p}</user>")
+
+
+def test_parse_request_defaults_follow_vllm_backend() -> None:
+    req = parse({"text_input": b"Hi", "sampling_parameters": b'{"max_tokens": "5"}'})
+    assert (req.prompt, req.stream, req.prefix, req.params.max_tokens) == ("Hi", False, "Hi", 5)
+    req = parse({"text_input": b"Hi", "stream": True, "apply_chat_template": True})
+    assert (req.prompt, req.prefix) == ("<user>Hi</user>", "")
+    req = parse({"text_input": b"Hi"}, parameters='{"max_tokens": 3, "triton_x": 1}')
+    assert req.params.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("values", "needles"),
+    [
+        ({}, ["text_input", "missing"]),
+        ({"text_input": b""}, ["text_input", "empty"]),
+        ({"text_input": b"caf\xe9"}, ["text_input", "UTF-8"]),
+        ({"text_input": b"hi", "sampling_parameters": b"{"}, ["sampling_parameters", "JSON"]),
+        ({"text_input": b"hi", "sampling_parameters": b'{"top_k": "x"}'}, ["sampling_", "top_k"]),
+        ({"text_input": b"hi", "sampling_parameters": b"\xff"}, ["sampling_parameters", "UTF-8"]),
+    ],
+)
+def test_parse_errors_name_the_input(values: dict[str, Any], needles: list[str]) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse(values)
+    assert all(n in str(info.value) for n in needles), str(info.value)
+
+
+def test_engine_errors_name_the_input() -> None:
+    assert rejection(SamplingParamsError("max_tokens=9 is above")).startswith(
+        "input 'sampling_parameters'"
+    )
+    assert rejection(ValueError("prompt has 900 tokens")).startswith("input 'text_input'")
+    assert rejection(RuntimeError("the engine is shut down")) == "the engine is shut down"
+
+
+def test_stream_replies() -> None:
+    returns = dict.fromkeys(RETURN_FLAGS, False)
+    whole = Stream("r", None, ParsedRequest("P", SamplingParams(), False, returns, prefix="P"))
+    assert whole.on_delta(RequestOutput("r", text=" a", token_ids=[1])) is None
+    assert whole.unanswered
+    reply = whole.on_delta(RequestOutput("r", text=" b", token_ids=[2], finished=True))
+    assert reply is not None and reply.final
+    assert reply.outputs == [("text_output", b"P a b", "object")]
+    live = Stream("s", None, ParsedRequest("P", SamplingParams(), True, returns))
+    reply = live.on_delta(RequestOutput("s", text=" a", token_ids=[1]))
+    assert reply is not None and not reply.final and not live.unanswered
+    done = live.on_delta(RequestOutput("s", finished=True, finish_reason="abort", error="boom"))
+    assert done == Reply(final=True, error="boom")
+
+
+# --- HTTP clients that left (engine.serving.disconnects) --------------------------------------
+
+
+def test_match_disconnected_needs_one_candidate_near_the_socket_time() -> None:
+    assert match_disconnected({"a": 10.003, "b": 4.0}, [10.0]) == ["a"]
+    assert match_disconnected({"a": 10.003, "b": 10.2}, [10.0]) == []  # ambiguous: abort none
+    assert match_disconnected({"a": 9.5}, [10.0]) == []  # arrived before the socket's data
+    assert match_disconnected({}, [10.0]) == []
+
+
+def test_close_wait_times_sees_a_client_that_left() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        with conn:
+            sent = time.monotonic()
+            client.sendall(b"POST /v2/models/llm/generate HTTP/1.1\r\n\r\n")
+            time.sleep(0.2)
+            assert close_wait_times(port) == []  # still connected
+            client.close()
+            time.sleep(0.05)
+            (received,) = close_wait_times(port)
+            assert abs(received - sent) < 0.05
+            assert HttpDisconnects(port).find({"r": sent + 0.002}) == ["r"]
+
+
+def test_server_http_port_from_its_command_line() -> None:
+    assert server_http_port(os.getpid()) == 8000  # pytest has no --http-port: Triton's default
+    assert HttpDisconnects(None).find({"r": 1.0}) == []
+
+
+# --- the stub's lifecycle (engine.serving.lifecycle), in child processes ------------------------
+
+
+def test_grace_from_env() -> None:
+    assert grace_from_env({}) == 10.0
+    assert grace_from_env({"LLM_SHUTDOWN_GRACE_S": "2.5"}) == 2.5
+    with pytest.raises(ValueError, match="LLM_SHUTDOWN_GRACE_S"):
+        grace_from_env({"LLM_SHUTDOWN_GRACE_S": "soon"})
+
+
+def run_python(code: str, timeout: float = 30) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=True
+    )
+    return out.stdout
+
+
+def test_sigterm_starts_a_drain() -> None:
+    code = (
+        "import os, signal, time\n"
+        "from engine.serving.lifecycle import ServerLifecycle\n"
+        "life = ServerLifecycle(grace_s=3.0)\n"
+        "assert life.signals_hooked and not life.draining\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "t = time.monotonic()\n"
+        "while not life.draining and time.monotonic() - t < 5: time.sleep(0.01)\n"
+        "print(life.draining, round(life.drain_deadline - time.monotonic()))\n"
+    )
+    assert run_python(code).split() == ["True", "3"]
+
+
+def test_an_orphaned_stub_ends_itself() -> None:
+    # The child starts a grandchild that watches its parent, prints its pid and waits; the child
+    # then exits, as a killed tritonserver would.
+    grandchild = (
+        "import time; from engine.serving.lifecycle import ServerLifecycle; "
+        "ServerLifecycle(grace_s=1.0, poll_s=0.1); print('up', flush=True); time.sleep(60)"
+    )
+    code = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], stdout=subprocess.PIPE)\n"
+        "p.stdout.readline()\n"
+        "print(p.pid)\n"
+    )
+    pid = int(run_python(code))
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+# --- AsyncEngine's checks before any work is queued ---------------------------------------------
+
+
+def test_async_engine_refuses_before_tokenizing(tiny_llama: str) -> None:
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=tiny_llama, device="cpu", max_tokens_cap=64))
+    try:
+        with pytest.raises(SamplingParamsError, match="max_tokens_cap"):
+            engine.add_request("a", "hi", SamplingParams(max_tokens=65), lambda out: None)
+        huge = "lorem ipsum " * 440_000  # 5.3 MB
+        began = time.monotonic()
+        with pytest.raises(ValueError, match="characters"):
+            engine.add_request("b", huge, SamplingParams(), lambda out: None)
+        assert time.monotonic() - began < 0.5
+        assert engine.max_prompt_chars < len(huge)
+    finally:
+        engine.shutdown()
+
+
+def test_checkpoint_without_tokenizer_is_a_clear_error(tiny_llama: str, tmp_path: Path) -> None:
+    from engine.async_engine import AsyncEngine
+
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(Path(tiny_llama) / name)
+    with pytest.raises(ConfigError, match="no tokenizer files"):
+        AsyncEngine(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
+def test_max_tokens_cap_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_tokens_cap"):
+        EngineConfig(max_tokens_cap=0)

@@ -1,6 +1,6 @@
 """End-to-end: the real tritonserver, the real model repository, the default model.
 
-One server serves the whole module (see conftest.py). Tests run in file order; the metrics test
+One server serves the whole session (see conftest.py). Tests run in file order; the metrics test
 comes last so it sees the traffic of the others.
 """
 

@@ -2,10 +2,12 @@
 
 `execute()` parses each request and hands it to the engine; the engine's callbacks only put
 deltas on a queue. One response thread builds and sends every `pb_utils.InferenceResponse`
-(sending from several threads crashes the 2.51 Python backend under concurrency), checks for
-cancelled requests and aborts them in the engine. Each request gets the final flag exactly once.
-Parsing and what to send for each delta live in engine.serving.protocol (vllm_backend's
-inputs and outputs; see config.pbtxt); this file only converts to and from `pb_utils`.
+(sending from several threads crashes the 2.51 Python backend under concurrency), aborts the
+requests whose client left (`is_cancelled()`, or an HTTP client Triton did not see leave:
+engine.serving.disconnects) and, once a drain began (SIGTERM to the stub: engine.serving.lifecycle),
+refuses new requests and ends those still running after the grace period with an error. Each
+request gets the final flag exactly once. Parsing and what to send for each delta live in
+engine.serving.protocol (vllm_backend's inputs and outputs; see config.pbtxt).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05
+DISCONNECT_POLL_S = 0.5
+SHUTTING_DOWN = "server shutting down"
 
 
 class TritonPythonModel:
@@ -39,7 +43,11 @@ class TritonPythonModel:
         from engine.async_engine import AsyncEngine
         from engine.config import load_engine_config
         from engine.metrics import MetricsExporter
+        from engine.serving.disconnects import HttpDisconnects
+        from engine.serving.lifecycle import ServerLifecycle, grace_from_env
 
+        self.lifecycle = ServerLifecycle(grace_from_env())  # before the load: a stop drains too
+        self.disconnects = HttpDisconnects.of_parent()
         config = load_engine_config(model_dir / args["model_version"] / "model.json", repo_root)
         pb_utils.Logger.log_info(f"llm: starting the engine with {config}")
         self.engine = AsyncEngine(config)
@@ -54,11 +62,14 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         from engine.metrics import RequestTimer
-        from engine.serving.protocol import Stream, parse_request
+        from engine.serving.protocol import Stream, parse_request, rejection
 
         for request in requests:
             timer = RequestTimer()
             sender = request.get_response_sender()
+            if self.lifecycle.draining:
+                self.queue.put(("error", (sender, f"{SHUTTING_DOWN}: request not accepted")))
+                continue
             try:
                 req = parse_request(_getter(request), request.parameters(), self._chat)
             except Exception as e:  # BadRequest, SamplingParamsError, a bad parameters field
@@ -69,7 +80,7 @@ class TritonPythonModel:
             try:
                 self.engine.add_request(st.request_id, req.prompt, req.params, self._on_output)
             except Exception as e:  # ValueError: prompt too long for the context, ...
-                self.queue.put(("rejected", (st.request_id, str(e))))
+                self.queue.put(("rejected", (st.request_id, rejection(e))))
         return None
 
     def _chat(self, prompt: str) -> str:
@@ -86,6 +97,7 @@ class TritonPythonModel:
 
     def _loop(self) -> None:
         next_poll = time.monotonic() + CANCEL_POLL_S
+        self._next_disconnect_check = 0.0
         while True:
             try:
                 kind, item = self.queue.get(timeout=CANCEL_POLL_S)
@@ -96,7 +108,7 @@ class TritonPythonModel:
                     return
                 self._handle(kind, item)
                 if time.monotonic() >= next_poll:
-                    self._poll_cancelled()
+                    self._poll()
                     next_poll = time.monotonic() + CANCEL_POLL_S
             except Exception as e:  # never let one bad send take the thread down
                 pb_utils.Logger.log_error(f"llm: response thread: {e!r}")
@@ -131,11 +143,31 @@ class TritonPythonModel:
             response = pb_utils.InferenceResponse(output_tensors=tensors)
         st.sender.send(response, flags=FINAL if reply.final else 0)
 
-    def _poll_cancelled(self) -> None:
+    def _poll(self) -> None:
+        now, deadline = time.monotonic(), self.lifecycle.drain_deadline
+        if deadline is not None and now >= deadline:
+            message = f"{SHUTTING_DOWN}: request ended after the {self.lifecycle.grace_s:g} s grace"
+            for st in list(self.active.values()):
+                self._end(st, message)
         for st in self.active.values():
             if not st.cancelled and st.sender.is_cancelled():
-                st.cancelled = True
-                self.engine.abort(st.request_id)  # its final delta (reason "abort") closes it
+                self._cancel(st)
+        if now >= self._next_disconnect_check:
+            self._next_disconnect_check = now + DISCONNECT_POLL_S
+            waiting = {r: s.timer.arrival for r, s in self.active.items() if s.unanswered}
+            for request_id in self.disconnects.find(waiting):
+                pb_utils.Logger.log_info(f"llm: HTTP client of {request_id} left; aborting")
+                self._cancel(self.active[request_id])
+
+    def _cancel(self, st: Any) -> None:
+        st.cancelled = True
+        self.engine.abort(st.request_id)  # its final delta (reason "abort") closes it
+
+    def _end(self, st: Any, message: str) -> None:
+        del self.active[st.request_id]  # the engine's final delta for it is then ignored
+        self.engine.abort(st.request_id)
+        self.metrics.observe_request(st.timer.timing())
+        st.sender.send(_error(message), flags=FINAL)
 
     # --- shutdown ---------------------------------------------------------------------------------
 

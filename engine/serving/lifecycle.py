@@ -1,0 +1,120 @@
+"""The model's side of the server's life: drain when told to stop, end when the server is gone.
+
+Triton 2.51 tells a Python model nothing when the server is asked to stop: it first waits (up to
+its exit timeout) for HTTP connections to close, then for in-flight requests, and only then
+unloads the model. Long streams therefore keep it up until the exit timeout, after which 2.51
+may crash and hang (docs/SERVING.md). So the stub listens itself: `python -m engine.serve` sends
+SIGTERM to the stubs when it is stopped, and a Ctrl-C in a terminal running tritonserver directly
+reaches the stub as SIGINT (same process group). Either starts a drain: the model refuses new
+requests and ends the in-flight ones once `grace_s` has passed.
+
+Python runs signal handlers in the main thread only, and the stub's main thread sits in C++, so
+the handler is a no-op and the signal is read from `signal.set_wakeup_fd` by a watcher thread.
+That thread also ends the stub when its server has died (the stub was re-parented): such a stub
+otherwise lingers, ignoring SIGTERM, with the KV cache and the model's memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+GRACE_ENV = "LLM_SHUTDOWN_GRACE_S"
+DEFAULT_GRACE_S = 10.0
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def grace_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """The drain's grace period: `LLM_SHUTDOWN_GRACE_S` (the launcher sets it), else 10 s."""
+    raw = (os.environ if environ is None else environ).get(GRACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{GRACE_ENV}={raw!r}: expected a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{GRACE_ENV}={raw!r}: must be >= 0")
+    return value
+
+
+class ServerLifecycle:
+    """Watches for a drain signal and for the death of the server (this process's parent).
+
+    `draining` turns true on SIGTERM/SIGINT (or `start_drain()`); `drain_deadline` is then the
+    monotonic time after which requests still running are ended. `on_orphaned` runs on the
+    watcher thread once the parent is gone; by default it kills this process (and its
+    multiprocessing children) after removing the stub's shared-memory region.
+    """
+
+    def __init__(
+        self,
+        grace_s: float,
+        on_orphaned: Callable[[], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.grace_s = grace_s
+        self._drain_at: float | None = None
+        self._ppid = os.getppid()
+        self._on_orphaned = on_orphaned or _die_with_server
+        self._poll_s = poll_s
+        self._rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        self.signals_hooked = _hook_signals(wfd)
+        self._thread = threading.Thread(target=self._watch, name="llm-lifecycle", daemon=True)
+        self._thread.start()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_at is not None
+
+    @property
+    def drain_deadline(self) -> float | None:
+        return None if self._drain_at is None else self._drain_at + self.grace_s
+
+    def start_drain(self) -> None:
+        if self._drain_at is None:
+            self._drain_at = time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._rfd], [], [], self._poll_s)
+            if ready and any(b in DRAIN_SIGNALS for b in os.read(self._rfd, 64)):
+                self.start_drain()
+            if os.getppid() != self._ppid:
+                self._on_orphaned()
+                return
+
+
+def _hook_signals(wakeup_fd: int) -> bool:
+    """Route SIGTERM/SIGINT to `wakeup_fd`; False where that is impossible (not the main thread)."""
+    try:
+        for signum in DRAIN_SIGNALS:
+            signal.signal(signum, _ignore)
+        signal.set_wakeup_fd(wakeup_fd, warn_on_full_buffer=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """The Python-level handler: nothing (the watcher thread reads the wakeup fd)."""
+
+
+def _die_with_server() -> None:
+    try:
+        argv = Path("/proc/self/cmdline").read_bytes().decode(errors="replace").split("\0")
+        for arg in argv:
+            if arg.startswith("triton_python_backend_shm_region"):
+                Path("/dev/shm", arg).unlink(missing_ok=True)  # nobody else will remove it now
+    except OSError:
+        pass
+    for child in multiprocessing.active_children():  # tensor-parallel workers
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
