@@ -3,9 +3,10 @@
 The launcher finds `tritonserver` (on PATH, as in the NGC container, or the copy shipped in the
 `nvidia-pytriton` wheel), prepares a backends folder holding the Python backend and the stub that
 matches this interpreter, sets the library path the stub needs, starts the server, waits until it
-is ready, prints the endpoints, and forwards SIGINT/SIGTERM to it. The pieces live in
-`engine.serving` (install, process, cli); the names tests and tools use are re-exported here.
-This module imports nothing heavy (no torch, no transformers).
+is ready and prints the endpoints. Then it supervises: SIGINT/SIGTERM drain and stop the server
+within a bounded time, and a dead Python-backend stub is followed by a restart. The pieces live
+in `engine.serving` (install, process, supervisor, cli); the names tests and tools use are
+re-exported here. This module imports nothing heavy (no torch, no transformers).
 """
 
 from __future__ import annotations
