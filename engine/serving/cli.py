@@ -101,10 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _relay(lines: IO[bytes]) -> None:
+    """Copy the server's output to ours, less CPU_NOISE, until it ends. Keeps reading when our
+    stdout is gone (`| head`): a full pipe would block the server's logging."""
+    out: IO[bytes] | None = sys.stdout.buffer
     for line in lines:
-        if not any(noise in line for noise in CPU_NOISE):
-            sys.stdout.buffer.write(line)
-            sys.stdout.buffer.flush()
+        if out is None or any(noise in line for noise in CPU_NOISE):
+            continue
+        try:
+            out.write(line)
+            out.flush()
+        except OSError:
+            out = None
 
 
 def _log(message: str) -> None:

@@ -9,6 +9,8 @@ arrived, unread). The kernel's sock_diag netlink interface (what `ss` uses) list
 with the time each last received data, which is when its request arrived. A request that has sent
 nothing yet and arrived just after such a time, with no other candidate near it, is the one whose
 client left. An ambiguous match aborts nothing (the server's `max_tokens_cap` still bounds it).
+A socket counts only once it has been seen in two dumps in a row: an idle keep-alive connection
+that its client closes is in CLOSE_WAIT too, for the moment Triton takes to close it.
 
 Linux only; anywhere else (or without netlink) nothing is found and nothing is aborted.
 """
@@ -29,7 +31,7 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 INET_DIAG_INFO = 2
 TCP_CLOSE_WAIT = 8
 TCPI_LAST_DATA_RECV = 52  # byte offset of tcpi_last_data_recv (ms) in struct tcp_info
-DIAG_MSG_LEN = 72  # struct inet_diag_msg
+DIAG_MSG_LEN = 72  # struct inet_diag_msg; its last field is the socket's inode
 
 # A request's arrival in the model follows the socket's last data by the frontend's and the
 # stub's hand-over: milliseconds, more under load. The slack covers the kernel's ms clock.
@@ -56,16 +58,18 @@ def server_http_port(pid: int) -> int | None:
     return port
 
 
-def close_wait_times(port: int) -> list[float]:
-    """Monotonic times at which each CLOSE_WAIT connection to local `port` last received data."""
+def close_wait_times(port: int) -> dict[int, float]:
+    """Socket inode -> the monotonic time at which that CLOSE_WAIT connection to local `port`
+    last received data."""
     now = time.monotonic()
-    times: list[float] = []
+    times: dict[int, float] = {}
     try:
         with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
             for family in (socket.AF_INET, socket.AF_INET6):
-                times += [now - ms / 1000 for ms in _dump_close_wait(sock, family, port)]
+                for inode, ms in _dump_close_wait(sock, family, port):
+                    times[inode] = now - ms / 1000
     except OSError:
-        return []
+        return {}
     return times
 
 
@@ -88,6 +92,7 @@ class HttpDisconnects:
 
     def __init__(self, port: int | None) -> None:
         self.port = port
+        self._seen: set[int] = set()  # CLOSE_WAIT sockets of the previous dump
 
     @classmethod
     def of_parent(cls) -> HttpDisconnects:
@@ -95,13 +100,19 @@ class HttpDisconnects:
         return cls(server_http_port(os.getppid()))
 
     def find(self, candidates: Mapping[str, float]) -> list[str]:
+        """Call every fraction of a second while there are candidates (id -> arrival time)."""
         if self.port is None or not candidates:
+            self._seen = set()
             return []
-        return match_disconnected(candidates, close_wait_times(self.port))
+        current = close_wait_times(self.port)
+        lasting = [t for inode, t in current.items() if inode in self._seen]
+        self._seen = set(current)
+        return match_disconnected(candidates, lasting)
 
 
-def _dump_close_wait(sock: socket.socket, family: int, port: int) -> list[int]:
-    """tcpi_last_data_recv (ms ago) of each CLOSE_WAIT TCP socket of `family` on local `port`."""
+def _dump_close_wait(sock: socket.socket, family: int, port: int) -> list[tuple[int, int]]:
+    """(inode, tcpi_last_data_recv in ms ago) of each CLOSE_WAIT TCP socket of `family` on local
+    `port`."""
     # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed socket id.
     req = struct.pack(
         "=BBBBI", family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 0, 1 << TCP_CLOSE_WAIT
@@ -110,19 +121,19 @@ def _dump_close_wait(sock: socket.socket, family: int, port: int) -> list[int]:
     flags = NLM_F_REQUEST | NLM_F_DUMP
     header = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, flags, 1, 0)
     sock.sendto(header + req, (0, 0))
-    ages: list[int] = []
+    found: list[tuple[int, int]] = []
     while True:
         data = sock.recv(1 << 16)
         offset = 0
         while offset + 16 <= len(data):
             length, kind = struct.unpack_from("=IH", data, offset)
             if kind in (NLMSG_DONE, NLMSG_ERROR) or length < 16:
-                return ages
+                return found
             msg = data[offset + 16 : offset + length]
             if struct.unpack_from("!H", msg, 4)[0] == port:  # id.sport, network byte order
                 age = _last_data_recv(msg)
                 if age is not None:
-                    ages.append(age)
+                    found.append((struct.unpack_from("=I", msg, DIAG_MSG_LEN - 4)[0], age))
             offset += (length + 3) & ~3
 
 

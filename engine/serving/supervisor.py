@@ -9,7 +9,8 @@
   requests nor restarts it (its source says "TODO: Implement restart on decoupled"), and the
   server keeps answering ready. So the server is killed with its stubs, which fails every
   in-flight request with a connection error, and started again on the same ports; readiness is
-  false until the model has loaded again. The time taken is printed.
+  false until the model has loaded again. The time taken is printed. After MAX_FAILURES
+  failures within FAILURE_WINDOW_S the launcher gives up (exit 1).
 
 Runs in the main thread: a server started from another thread would get its parent-death
 signal when that thread ended (see process.py).
@@ -25,6 +26,9 @@ from engine.serving.process import Server
 
 KILL_MARGIN_S = 5.0  # after the grace period, for the model to unload and the server to exit
 POLL_S = 0.25
+# A server that keeps failing is not restarted forever: the launcher exits 1 instead, for
+# whatever runs it (a container runtime) to act.
+MAX_FAILURES, FAILURE_WINDOW_S = 3, 600.0
 
 
 class Supervisor:
@@ -43,6 +47,7 @@ class Supervisor:
         self._log = log
         self.signals = 0
         self.restarts = 0
+        self._failures: list[float] = []
 
     def run(self) -> int:
         """Serve until stopped: 0 after a requested stop, 1 when the server cannot be started."""
@@ -58,6 +63,12 @@ class Supervisor:
             if failure is None or self.signals:
                 continue
             began = time.monotonic()
+            self._failures = [t for t in self._failures if began - t < FAILURE_WINDOW_S]
+            self._failures.append(began)
+            if len(self._failures) >= MAX_FAILURES:
+                self._log(f"llm-serve: {failure}, {MAX_FAILURES} times in 10 minutes; giving up")
+                server.kill()
+                return 1
             self._log(f"llm-serve: {failure}; restarting tritonserver on the same ports")
             server.kill()
             try:

@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05
-DISCONNECT_POLL_S = 0.5
+DISCONNECT_POLL_S = 0.25
 SHUTTING_DOWN = "server shutting down"
 
 
