@@ -10,8 +10,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig
-from engine.detokenizer import check_tokenizer_files, max_token_chars
+from engine.config import EngineConfig
+from engine.detokenizer import max_token_chars
 from engine.engine_core import Callback, EngineCore
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -31,10 +31,6 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        try:
-            check_tokenizer_files(config.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         self.core = EngineCore(config)
         # A text longer than this cannot fit the context, whatever it tokenizes to.
         self.max_prompt_chars = self.core.max_context_len * max_token_chars(self.core.tokenizer)

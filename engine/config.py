@@ -143,13 +143,13 @@ class EngineConfig:
     page_size: int = 1
     mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
     max_total_tokens: int | None = None  # KV slots; None: measured (CUDA) or 16384 (CPU)
-    max_running_requests: int = 64
+    max_running_requests: int = 256
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
     attention_backend: str = "auto"  # "auto", "torch_native" or "triton"
     enable_cuda_graph: bool = True
-    cuda_graph_max_bs: int = 32
+    cuda_graph_max_bs: int = 256
     enable_torch_compile: bool = False
     tp_size: int = 1
     seed: int = 0

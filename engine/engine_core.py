@@ -8,13 +8,14 @@ other than the read-only properties.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, check_tokenizer_files
 from engine.executor.model_runner import ModelRunner, SampleRequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,6 +40,10 @@ class _ReqState:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        try:  # before loading weights: a clear error instead of transformers' after a long load
+            check_tokenizer_files(config.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.runner = ModelRunner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_config.path)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
@@ -108,9 +113,10 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out is None:
             return False
-        sampled = self.runner.forward_and_sample(
-            out.batch, out.sample_rows, [self._sample_request(out.reqs[i]) for i in out.sample_rows]
-        )
+        requests = [self._sample_request(out.reqs[i]) for i in out.sample_rows]
+        t0 = time.perf_counter()
+        sampled = self.runner.forward_and_sample(out.batch, out.sample_rows, requests)
+        self.scheduler.record_step(out, time.perf_counter() - t0)  # ends with a device sync
         next_ids = dict(zip(out.sample_rows, sampled.next_token_ids, strict=True))
         logprobs: dict[int, float] = {}
         if sampled.logprobs is not None:

@@ -21,6 +21,8 @@ def test_capture_sizes() -> None:
     assert capture_sizes(4) == [1, 2, 4]
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 65, 8), *range(80, 257, 16)]
+    assert capture_sizes(70) == [1, 2, 4, *range(8, 65, 8), 70]
 
 
 def test_no_graphs_on_cpu(tiny_llama: str) -> None:

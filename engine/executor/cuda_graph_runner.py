@@ -42,9 +42,11 @@ class CaptureError(RuntimeError):
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_bs (and max_bs itself)."""
-    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
-    return sorted(set(sizes) | {max_bs})
+    """1, 2, 4, then every multiple of 8 up to 64, then of 16 (and max_bs itself): a padded
+    batch wastes at most 1/5 of its rows above 64 requests."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs]
+    sizes += list(range(8, min(max_bs, 64) + 1, 8)) + list(range(80, max_bs, 16))
+    return sorted({b for b in sizes if b < max_bs} | {max_bs})
 
 
 class CudaGraphRunner:
@@ -81,15 +83,20 @@ class CudaGraphRunner:
         # default CUDA generator is process-wide, so callers hold DEVICE_LOCK around us too.
         self.stream = torch.cuda.Stream(dev)
         t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(dev)[0]
         for bs in reversed(self.capture_sizes):  # largest first: later graphs reuse its memory
             try:
                 self._capture(bs)
             except Exception as e:
                 raise RuntimeError(f"capturing the decode graph of batch size {bs}: {e}") from e
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            "captured %d CUDA graphs for decode batch sizes %s in %.1f s, using %.2f GiB",
+            len(self.capture_sizes),
             self.capture_sizes,
-            time.perf_counter() - t0,
+            self.capture_seconds,
+            self.capture_bytes / 2**30,
         )
 
     def _static_batch(self, bs: int) -> ForwardBatch:

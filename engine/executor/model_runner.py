@@ -307,10 +307,13 @@ class ModelRunner:
     ) -> StepOutput:
         """Run the batch and draw the next token of the rows in `sample_rows` (a prefill chunk
         that does not end its prompt samples nothing); `requests[i]` describes row
-        `sample_rows[i]`. One device-to-host copy for the whole batch."""
+        `sample_rows[i]`. One device-to-host copy for the whole batch; returns once the device
+        has finished the step."""
         with DEVICE_LOCK:
             logits = self.forward(batch)
             if not sample_rows:
+                if self.device.type == "cuda":  # the scheduler times steps (record_step)
+                    torch.cuda.current_stream(self.device).synchronize()
                 return StepOutput([], None)
             if sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
                 logits = logits[torch.tensor(sample_rows, device=logits.device)]

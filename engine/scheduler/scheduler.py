@@ -2,7 +2,11 @@
 
 Each `schedule()` returns one batch: a prefill batch (chunks of waiting or partly prefilled
 requests, up to `chunked_prefill_size` tokens) when there is prefill work that fits, otherwise a
-decode batch of every running request. New requests therefore join between decode steps. When a
+decode batch of every running request. New requests therefore join between decode steps. Three
+rules keep one long prompt from stalling everyone else: while requests are decoding, a prefill
+step is always followed by a decode step, and it takes only as many tokens as fit in about the
+time of a decode step (from the step times the engine reports, `record_step`); and in a prefill
+step, requests whose whole remaining input fits go before the chunks of longer ones. When a
 decode step cannot get a slot for every running request, even after evicting unlocked prefixes
 from the radix cache, the most recently admitted requests are retracted: their computed tokens go
 into the radix tree (unlocked, so they can be evicted and recomputed later) and they return to the
@@ -22,6 +26,8 @@ from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.scheduler.request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
+MIN_PREFILL_TOKENS = 32  # a prefill step beside decoding requests takes at least this many
+STEP_TIME_EMA = 0.5  # weight of the newest step in the step-time averages
 
 
 @dataclass
@@ -59,6 +65,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._arrival = itertools.count()
         self._row_dirty: set[str] = set()  # rids whose req_to_token row must be rewritten
+        self._last_mode: ForwardMode | None = None
+        self._decode_step_s: float | None = None  # average seconds of a decode step
+        self._prefill_token_s: float | None = None  # average seconds per prefill token
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -83,7 +92,11 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------------------------
     def schedule(self) -> ScheduleOutput | None:
-        out = self._schedule_prefill()
+        out = None
+        if self.running and self._last_mode == ForwardMode.EXTEND:
+            out = self._schedule_decode()  # decoders get a step after every prefill step
+        if out is None:
+            out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
         if out is None and self.prefilling:
@@ -92,7 +105,25 @@ class Scheduler:
             for req in sorted(self.prefilling, key=lambda r: r.arrival)[1:]:
                 self.retract(req)
             out = self._schedule_prefill()
+        self._last_mode = None if out is None else out.batch.mode
         return out
+
+    def record_step(self, out: ScheduleOutput, seconds: float) -> None:
+        """How long the batch of `out` took to run (the engine reports it after each step)."""
+        if out.batch.mode == ForwardMode.DECODE:
+            self._decode_step_s = _ema(self._decode_step_s, seconds)
+        elif out.batch.num_tokens:
+            self._prefill_token_s = _ema(self._prefill_token_s, seconds / out.batch.num_tokens)
+
+    def prefill_budget(self) -> int:
+        """Prefill tokens for the next prefill step: `chunked_prefill_size`, but while requests
+        are decoding only what runs in about the time of one decode step, so every running
+        request's next token waits at most about one decode step's time for prefill work."""
+        budget = self.config.chunked_prefill_size
+        if self.running and self._decode_step_s and self._prefill_token_s:
+            fair = int(self._decode_step_s / self._prefill_token_s)
+            budget = min(budget, max(fair, MIN_PREFILL_TOKENS))
+        return budget
 
     def _waiting_order(self) -> list[Req]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
@@ -103,17 +134,23 @@ class Scheduler:
         return list(self.waiting)
 
     def _schedule_prefill(self) -> ScheduleOutput | None:
-        budget = self.config.chunked_prefill_size
+        budget = self.prefill_budget()
         entries: list[BatchEntry] = []
         reqs: list[Req] = []
         sample_rows: list[int] = []
         candidates = list(self.prefilling) + self._waiting_order()
+        # Requests that finish their input in this step first (in the policy's order), then
+        # the chunks of longer ones: a short prompt never waits behind a long prompt's chunks.
+        fits = [r for r in candidates if r.fill_len - r.num_computed <= budget]
+        candidates = fits + [r for r in candidates if r.fill_len - r.num_computed > budget]
+        admission_open = True
         for req in candidates:
             if budget <= 0:
                 break
             admitted_now = req.status == ReqStatus.WAITING
-            if admitted_now and not self._admit(req):
-                break
+            if admitted_now and not (admission_open and self._admit(req)):
+                admission_open = False  # no row free: admitted requests may still go on
+                continue
             prefix_len = req.num_computed
             n = min(req.fill_len - prefix_len, budget)
             # Keep room for every decoding request's next step; retraction handles the rest if
@@ -341,3 +378,7 @@ class Scheduler:
         """Fraction of slots held by requests or locked prefixes (evictable cache counts free)."""
         free = self.allocator.available_size() + self.tree.evictable_size()
         return 1.0 - free / self.allocator.size
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1.0 - STEP_TIME_EMA) * old + STEP_TIME_EMA * new

@@ -362,6 +362,10 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(tiny_llama: str, tmp_path
         (tmp_path / name).symlink_to(Path(tiny_llama) / name)
     with pytest.raises(ConfigError, match="no tokenizer files"):
         AsyncEngine(EngineConfig(model=str(tmp_path), device="cpu"))
+    from engine import LLM
+
+    with pytest.raises(ConfigError, match="no tokenizer files"):  # the offline engine too
+        LLM(str(tmp_path), device="cpu")
 
 
 def test_max_tokens_cap_must_be_positive() -> None:

@@ -12,14 +12,41 @@ from engine.layers.attention.base import AttentionBackend, AttentionLayer
 
 
 @dataclass
+class DecodeBucket:
+    """Decode requests of similar context length, attended in one padded SDPA call."""
+
+    rows: torch.Tensor | None  # [b] their rows in the batch; None: the whole batch, in order
+    slots: torch.Tensor  # [b, L] int64 context slots, padding slot 0
+    mask: torch.Tensor  # [b, L] bool
+
+
+@dataclass
 class TorchNativeMetadata:
-    """Decode: every request's context slots, padded to the longest ([B, L], with a mask).
+    """Decode: the requests in buckets of similar context length, each padded to its longest.
     Extend: each request's context slots, and all of them concatenated in batch order."""
 
-    decode_slots: torch.Tensor | None = None  # [B, L] int64, padding slot 0
-    decode_mask: torch.Tensor | None = None  # [B, L] bool
+    decode_buckets: list[DecodeBucket] | None = None
     context_slots: list[torch.Tensor] | None = None  # [seq_len_i] int64 each
     all_context_slots: torch.Tensor | None = None  # [sum(seq_lens)] int64
+
+
+def bucket_by_length(seq_lens: list[int], max_waste: float = 2.0) -> list[list[int]]:
+    """Group batch rows so that padding each group to its longest context costs at most
+    `max_waste` times the group's real context: decode work stays near-linear in the total
+    context, however mixed the lengths (one 6,000-token request does not make 100 short ones
+    read 6,000 rows each). Rows longest first; few groups for similar lengths."""
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        n = seq_lens[i]
+        if groups and (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] <= max_waste * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -30,11 +57,17 @@ class TorchNativeBackend(AttentionBackend):
     def build_metadata(fb: ForwardBatch) -> TorchNativeMetadata:
         rows = fb.req_to_token[fb.req_pool_indices]  # [B, max_context_len]
         if fb.is_decode:
-            max_len = max(fb.seq_lens_cpu)
-            slots = rows[:, :max_len].long()  # [B, L]
-            arange = torch.arange(max_len, device=slots.device)
-            valid = arange[None, :] < fb.seq_lens[:, None]  # [B, L]
-            return TorchNativeMetadata(decode_slots=slots.masked_fill(~valid, 0), decode_mask=valid)
+            groups = bucket_by_length(fb.seq_lens_cpu)
+            buckets = []
+            for group in groups:
+                max_len = fb.seq_lens_cpu[group[0]]
+                whole = len(groups) == 1
+                idx = None if whole else torch.tensor(group, device=rows.device)
+                slots = (rows if idx is None else rows[idx])[:, :max_len].long()  # [b, L]
+                lens = fb.seq_lens if idx is None else fb.seq_lens[idx]
+                valid = torch.arange(max_len, device=rows.device)[None, :] < lens[:, None]
+                buckets.append(DecodeBucket(idx, slots.masked_fill(~valid, 0), valid))
+            return TorchNativeMetadata(decode_buckets=buckets)
         context = [rows[i, :n].long() for i, n in enumerate(fb.seq_lens_cpu)]
         return TorchNativeMetadata(context_slots=context, all_context_slots=torch.cat(context))
 
@@ -78,18 +111,23 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward_decode(self, q, layer, fb):
         meta: TorchNativeMetadata = fb.attn_metadata
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        ck, cv = self.kv_pool.get_kv(layer.layer_id, meta.decode_slots)  # [B, L, kv_heads, dim]
-        # SDPA layout: [B, heads, q_len, dim]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            ck.transpose(1, 2),
-            cv.transpose(1, 2),
-            attn_mask=meta.decode_mask[:, None, None, :],
-            scale=layer.scaling,
-            enable_gqa=layer.num_kv_heads != layer.num_heads,
-        )
-        return out.squeeze(2)
+        assert meta.decode_buckets is not None
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        for b in meta.decode_buckets:
+            ck, cv = self.kv_pool.get_kv(layer.layer_id, b.slots)  # [b, L, kv_heads, dim]
+            # SDPA layout: [b, heads, q_len, dim]
+            o = F.scaled_dot_product_attention(
+                (q if b.rows is None else q[b.rows]).unsqueeze(2),
+                ck.transpose(1, 2),
+                cv.transpose(1, 2),
+                attn_mask=b.mask[:, None, None, :],
+                scale=layer.scaling,
+                enable_gqa=layer.num_kv_heads != layer.num_heads,
+            ).squeeze(2)
+            if b.rows is None:
+                return o
+            out[b.rows] = o
+        return out
 
     def gather_context(self, layer_id, fb):
         return self.gather_from(layer_id, fb.attn_metadata)
