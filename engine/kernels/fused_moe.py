@@ -1,8 +1,8 @@
 """Fused MoE: tokens aligned to experts in blocks, one grouped GEMM for gate/up (SiLU-and-mul
 fused into its epilogue) and one for down (top-k weight fused), then the top-k sum.
 
-`moe_align_block_size` sorts the (token, k) pairs by expert and pads each expert's run to a
-multiple of BLOCK_M, with torch ops only (no host sync, so it can be captured in a CUDA graph).
+`moe_align_block_size` groups the (token, k) pairs by expert and pads each expert's run to a
+multiple of BLOCK_M, in one Triton program with no sort and no host sync (CUDA-graph safe).
 Each GEMM program takes one BLOCK_M block, which belongs to exactly one expert, and one BLOCK_N
 slice of the output.
 """
@@ -49,29 +49,72 @@ def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) ->
     return cfg._replace(block_k=cfg.block_k * 2 // max(elem_bytes, 2))
 
 
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # [num_pairs] expert of each (token, k) pair
+    sorted_ids_ptr,  # [max_padded] int32 out
+    expert_ids_ptr,  # [max_blocks] int32 out
+    num_padded_ptr,  # [1] int32 out
+    cursor_ptr,  # [num_experts] int32 scratch
+    num_pairs, num_experts, max_padded, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+):  # fmt: skip
+    """One program. Count the pairs of each expert, lay the experts' runs out padded to BLOCK_M,
+    then give each pair the next free place in its expert's run (an atomic cursor per expert):
+    no sort. The order within a run is whatever the atomics make it; each row of the grouped
+    GEMMs is computed on its own, so the results do not depend on it."""
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        mask = offs < num_pairs - start
+        ids = tl.load(topk_ids_ptr + start + offs, mask=mask, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=mask)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.store(cursor_ptr + offs_e, padded_start, mask=mask_e)
+    for start in range(0, max_padded, CHUNK):  # every place a pad until a pair takes it
+        mask = offs < max_padded - start
+        tl.store(sorted_ids_ptr + start + offs, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask)
+    for start in range(0, max_blocks, CHUNK_B):  # block b's expert: those ending at or before b
+        blocks = start + tl.arange(0, CHUNK_B)
+        ended = (padded_end[None, :] <= blocks[:, None] * BLOCK_M) & mask_e[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), 1), num_experts - 1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+    # NOTE: the pads and the cursors must be written before any pair is placed.
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        mask = offs < num_pairs - start
+        ids = tl.load(topk_ids_ptr + start + offs, mask=mask, other=0).to(tl.int32)
+        dest = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        tl.store(sorted_ids_ptr + dest, start + offs, mask=mask)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """topk_ids [T, k] -> pairs sorted by expert, each expert's run padded to block_m."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    """topk_ids [T, k] -> pairs grouped by expert, each expert's run padded to block_m.
+
+    One Triton program (no sort, no host sync, so it can be captured in a CUDA graph).
+    """
+    flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     max_padded = num_pairs + num_experts * (block_m - 1)
     max_blocks = triton.cdiv(max_padded, block_m)
-    # NOTE: scatter_add rather than bincount, which syncs with the host on CUDA.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    count_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=flat.device) - count_start[sorted_experts]
-    dest = padded_start[sorted_experts] + rank
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_start = torch.arange(max_blocks, device=flat.device) * block_m
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
-    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
-    num_padded = padded_end[-1:].to(torch.int32)
+    device = flat.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    # The block -> expert step holds a [CHUNK_B, BLOCK_E] compare: keep it near 8K elements.
+    chunk_b = max(32, 8192 // block_e)
+    _moe_align_kernel[(1,)](
+        flat, sorted_ids, expert_ids, num_padded, cursor,
+        num_pairs, num_experts, max_padded, max_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=8,
+    )  # fmt: skip
     return MoEAlignment(sorted_ids, expert_ids, num_padded)
 
 
@@ -152,6 +195,43 @@ def _moe_gemm(
     )  # fmt: skip
 
 
+@triton.jit
+def _moe_sum_kernel(
+    down_ptr,  # [T, top_k, H]
+    shared_ptr,  # [T, H] (HAS_SHARED)
+    out_ptr,  # [T, H]
+    H, stride_shared,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(down_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_shared + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _moe_sum(down: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Tensor:
+    # down [T, top_k, H] -> [T, H] (+ shared_output [T, H])
+    num_tokens, top_k, hidden_size = down.shape
+    out = down.new_empty((num_tokens, hidden_size))
+    if num_tokens == 0:
+        return out
+    if shared_output is not None:
+        assert shared_output.stride(1) == 1 and shared_output.shape == out.shape
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        down, shared_output if shared_output is not None else out, out, hidden_size,
+        shared_output.stride(0) if shared_output is not None else 0,
+        TOP_K=top_k, HAS_SHARED=shared_output is not None, BLOCK_H=block_h,
+        num_warps=4 if block_h >= 512 else 1,
+    )  # fmt: skip
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -159,9 +239,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoEConfig | None = None,
+    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
-    topk_weights [T, k]; topk_ids [T, k]. Returns [T, H] = sum_k w_k * down(silu(g) * u)."""
+    topk_weights [T, k]; topk_ids [T, k]; shared_output [T, H] or None. Returns [T, H] =
+    sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -174,4 +256,4 @@ def fused_moe(
     _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, cfg)
     down = hidden.new_empty((num_tokens * top_k, hidden_size))
     _moe_gemm(act, w2, down, weights, align, top_k, hidden_size, False, False, True, cfg)
-    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return _moe_sum(down.view(num_tokens, top_k, hidden_size), shared_output)

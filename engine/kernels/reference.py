@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from engine.layers.activation import silu_and_mul_native
 from engine.layers.attention.torch_native import causal_attention as _native_causal_attention
-from engine.layers.moe import moe_forward_native
+from engine.layers.moe import moe_forward_native, select_experts_native
+from engine.layers.norm import fused_add_rms_norm_native, rms_norm_native
+from engine.layers.rotary import apply_rope_native, rope_cos_sin
 
 # ---- attention -----------------------------------------------------------------------------
 
@@ -174,10 +177,70 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    shared_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for `fused_moe` and the benchmark's baseline: the per-expert loop in fp32.
-    Returns [T, H] in hidden's dtype."""
-    return moe_forward_native(hidden, w13, w2, topk_weights, topk_ids, torch.float32)
+    """Reference for `fused_moe` and the benchmark's baseline: the per-expert loop in fp32
+    (plus `shared_output`). Returns [T, H] in hidden's dtype."""
+    out = moe_forward_native(hidden, w13, w2, topk_weights, topk_ids, torch.float32)
+    if shared_output is None:
+        return out
+    return (out.float() + shared_output.float()).to(hidden.dtype)
+
+
+def moe_router_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `moe_router`: float32 gate logits, then the router's torch code.
+    Returns (weights [T, k] float32, ids [T, k] int64)."""
+    logits = x.float() @ weight.float().t()
+    return select_experts_native(
+        logits,
+        top_k,
+        scoring=scoring,
+        correction_bias=correction_bias,
+        num_groups=num_groups,
+        topk_group=topk_group,
+        renormalize=renormalize,
+        scale=scale,
+    )
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference for `moe_align_block_size` (the torch version it replaced: a stable argsort
+    by expert). Returns (sorted_ids, expert_ids, num_padded); the kernel may order the pairs
+    within an expert's run differently."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    max_blocks = -(-max_padded // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = (
+        torch.arange(num_pairs, device=flat.device)
+        - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    )
+    dest = (padded_end - padded)[sorted_experts] + rank
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(max_blocks, device=flat.device) * block_m
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
 
 
 # ---- KV store ------------------------------------------------------------------------------
@@ -217,3 +280,67 @@ def _store_rows_ref(
         buf[loc.long()] = quantize_fp8(x, scale)
     else:
         buf[loc.long()] = x.to(buf.dtype)
+
+
+# ---- norms and activation -------------------------------------------------------------------
+# NOTE: these run in the input's dtype, as the engine's torch code does: the kernels round where
+# it rounds (the residual sum, the normalised row, the SiLU), so the two agree to the last bit
+# but for the order of one fp32 sum.
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference for `rms_norm`: the torch-native RMSNorm."""
+    return rms_norm_native(x, weight, eps)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `fused_add_rms_norm`: (rms_norm(x + residual), x + residual)."""
+    return fused_add_rms_norm_native(x, residual, weight, eps)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Reference for `silu_and_mul`: F.silu(gate) * up."""
+    return silu_and_mul_native(gate_up)
+
+
+# ---- RoPE and the MLA preamble ---------------------------------------------------------------
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `rotary_embedding`: the torch code of `RotaryEmbedding`."""
+    cos, sin = rope_cos_sin(positions, inv_freq, attention_scaling)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (
+        apply_rope_native(q, cos, sin, interleaved),
+        apply_rope_native(k, cos, sin, interleaved),
+    )
+
+
+def mla_preamble_ref(
+    kv_a: torch.Tensor,
+    q_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `mla_preamble`: MLAAttention's torch code (kv_a_layernorm on c_kv, RoPE on
+    q_pe and k_pe, the latent row concatenated). Returns (latent [T, C + R], q_pe [T, H, R])."""
+    rope = q_pe.shape[-1]
+    c_kv, k_pe = kv_a.split([kv_a.shape[-1] - rope, rope], dim=-1)
+    c_kv = rms_norm_native(c_kv, norm_weight, eps)
+    q_rot, k_rot = rotary_embedding_ref(
+        positions, q_pe, k_pe.unsqueeze(1), inv_freq, attention_scaling, interleaved
+    )
+    return torch.cat([c_kv, k_rot.squeeze(1)], dim=-1), q_rot

@@ -10,6 +10,8 @@ from torch import nn
 
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
+from engine.kernels.fused_moe import fused_moe
+from engine.kernels.moe_router import moe_router
 
 
 class TopkRouter(nn.Module):
@@ -17,7 +19,9 @@ class TopkRouter(nn.Module):
 
     V2 ("greedy" / "group_limited_greedy"): softmax scores; V3 ("noaux_tc"): sigmoid scores plus a
     correction bias used only for the choice, groups ranked by the sum of their top two scores.
-    The router runs in float32 with a float32 weight, as the reference does.
+    The logits are computed in float32 from the weight as stored (the model's dtype, as in
+    transformers). On CUDA the whole router (gate GEMM included) is one Triton kernel
+    (`engine.kernels.moe_router`); elsewhere `select_experts_native`, its reference.
     """
 
     def __init__(self, hf: Any, hidden_size: int, num_experts: int, is_v3: bool) -> None:
@@ -26,51 +30,94 @@ class TopkRouter(nn.Module):
         self.num_experts = num_experts
         self.is_v3 = is_v3
         self.topk_method = "noaux_tc" if is_v3 else (getattr(hf, "topk_method", None) or "greedy")
-        self.num_group: int = getattr(hf, "n_group", None) or 1
+        num_group: int = getattr(hf, "n_group", None) or 1
+        grouped = is_v3 or self.topk_method == "group_limited_greedy"
+        self.num_group = num_group if grouped else 1
         self.topk_group: int = getattr(hf, "topk_group", None) or 1
-        self.norm_topk_prob = bool(getattr(hf, "norm_topk_prob", False))
-        self.routed_scaling_factor = float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0)
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
+        norm_topk_prob = bool(getattr(hf, "norm_topk_prob", False))
+        routed_scaling_factor = float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0)
+        # V2 either renormalises or scales; V3 renormalises (if asked) and scales.
+        self.renormalize = norm_topk_prob and (is_v3 or self.top_k > 1)
+        self.scale = routed_scaling_factor if is_v3 or not self.renormalize else 1.0
+        self.scoring = "sigmoid" if is_v3 else "softmax"
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
         if is_v3:
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
             )
+        # "auto": the Triton kernel on CUDA, the torch code elsewhere ("triton" / "native"
+        # force one, for tests).
+        self.kernel = "auto"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
-        logits = F.linear(x.float(), self.weight.float())
-        if self.is_v3:
-            return self._route_v3(logits)
-        scores = logits.softmax(dim=-1)
-        if self.topk_method == "group_limited_greedy":
-            group_scores = scores.view(-1, self.num_group, self._group_size()).amax(dim=-1)
-            scores = scores.masked_fill(~self._expert_mask(group_scores), 0.0)
-        weights, ids = torch.topk(scores, self.top_k, dim=-1, sorted=False)
-        if self.top_k > 1 and self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            weights = weights * self.routed_scaling_factor
-        return weights, ids
+        """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int32 on the kernel
+        path, int64 on the torch path)."""
+        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
+            out = moe_router(
+                x,
+                self.weight,
+                self.top_k,
+                scoring=self.scoring,
+                correction_bias=self.e_score_correction_bias,
+                num_groups=self.num_group,
+                topk_group=self.topk_group,
+                renormalize=self.renormalize,
+                scale=self.scale,
+            )
+            return out.topk_weights, out.topk_ids
+        return select_experts_native(
+            F.linear(x.float(), self.weight.float()),
+            self.top_k,
+            scoring=self.scoring,
+            correction_bias=self.e_score_correction_bias,
+            num_groups=self.num_group,
+            topk_group=self.topk_group,
+            renormalize=self.renormalize,
+            scale=self.scale,
+        )
 
-    def _route_v3(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def select_experts_native(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64): DeepSeek's routing,
+    as `engine.kernels.moe_router` documents it."""
+    num_experts = logits.shape[-1]
+    if scoring == "sigmoid":
         scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, self.num_group, self._group_size()).topk(2, dim=-1)[0]
-        choice = choice.masked_fill(~self._expert_mask(group_scores.sum(dim=-1)), float("-inf"))
-        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        choice = scores if correction_bias is None else scores + correction_bias
+        if num_groups > 1:
+            grouped = choice.view(-1, num_groups, num_experts // num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            keep = _group_mask(group_scores, topk_group, num_experts)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+    else:
+        scores = logits.softmax(dim=-1)
+        if num_groups > 1:
+            group_scores = scores.view(-1, num_groups, num_experts // num_groups).amax(dim=-1)
+            scores = scores.masked_fill(~_group_mask(group_scores, topk_group, num_experts), 0.0)
+        weights, ids = torch.topk(scores, top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
-    def _group_size(self) -> int:
-        return self.num_experts // self.num_group
 
-    def _expert_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """[T, groups] scores -> [T, experts] bool: the experts of the `topk_group` best groups."""
-        group_idx = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        return group_mask.repeat_interleave(self._group_size(), dim=-1)
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """[T, groups] scores -> [T, experts] bool: the experts of the `topk_group` best groups."""
+    group_idx = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask.repeat_interleave(num_experts // group_scores.shape[-1], dim=-1)
 
 
 class Experts(nn.Module):
@@ -111,15 +158,21 @@ class Experts(nn.Module):
         return ShardSpec(0, start, size, full), ShardSpec(1, start, size, full)
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The routed experts' weighted sum, plus `shared_output` (the shared experts' output:
+        on the kernel path it joins the final sum instead of costing an add of its own)."""
+        w13, w2 = self.w13_weight, self.w2_weight
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
-            from engine.kernels.fused_moe import fused_moe
-
             return fused_moe(
-                x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids
+                x.contiguous(), w13, w2, topk_weights, topk_ids, shared_output=shared_output
             )
-        return moe_forward_native(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = moe_forward_native(x, w13, w2, topk_weights, topk_ids)
+        return out if shared_output is None else out + shared_output
 
 
 def moe_forward_native(

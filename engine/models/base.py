@@ -61,25 +61,77 @@ class CausalLM(nn.Module):
         """Derive weights after loading (MLA's absorbed projections, tied heads)."""
 
 
+class MergedWeights(nn.Module):
+    """A module whose parameters are not named as in the checkpoint: it packs several
+    checkpoint tensors into one parameter (the MLP's gate and up projections, so that one GEMM
+    computes both). `checkpoint_targets()` maps each checkpoint name, relative to the module,
+    to its place in the parameters named by `merged_parameters()` (relative names too), which
+    `default_targets` then leaves out; the module's other parameters keep their own names."""
+
+    def merged_parameters(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def checkpoint_targets(self) -> dict[str, WeightTarget]:
+        raise NotImplementedError
+
+
 def default_targets(module: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, WeightTarget]:
     """Checkpoint names equal to parameter names (the common case), minus `skip` substrings.
-    Parameters of sharded modules (parallel linears) carry their module's shard spec."""
+    Parameters of sharded modules (parallel linears) carry their module's shard spec; those of
+    `MergedWeights` modules are named by the module itself."""
     shards: dict[str, ShardSpec] = {}
+    targets: dict[str, WeightTarget] = {}
+    merged: set[str] = set()
     for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
         if isinstance(sub, ShardedModule):
             for pname, spec in sub.shard_specs().items():
-                shards[f"{prefix}.{pname}" if prefix else pname] = spec
-    targets: dict[str, WeightTarget] = {}
+                shards[dot + pname] = spec
+        if isinstance(sub, MergedWeights):
+            merged |= {dot + pname for pname in sub.merged_parameters()}
+            targets |= {dot + name: t for name, t in sub.checkpoint_targets().items()}
     for name, param in module.named_parameters():
-        if not any(s in name for s in skip):
+        if name not in merged and not any(s in name for s in skip):
             targets[name] = WeightTarget(param.data, shard=shards.get(name))
     return targets
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer: attention, then MLP, each after an RMSNorm.
+
+    The residual stream is carried beside the hidden states (as in SGLang and vLLM): a layer
+    takes (x, residual) and returns (mlp_out, residual), and the add that closes each block is
+    done by the next norm (`RMSNorm.forward_add`, one kernel on CUDA), the last one by the
+    model's final norm. `residual` is None for the first layer: its input is the embedding.
+    Subclasses set `self_attn`, `mlp`, `input_layernorm` and `post_attention_layernorm`.
+    """
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_add(x, residual)
+        x = self.self_attn(positions, x, fb)
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
     """The body every model here shares: embedding, decoder layers, final norm.
 
-    `make_layer(i)` builds layer i; each layer is called as `layer(positions, x, fb)`.
+    `make_layer(i)` builds layer i, a `DecoderLayer`.
     """
 
     def __init__(
@@ -87,7 +139,7 @@ class DecoderModel(nn.Module):
         config: ModelConfig,
         parallel: ParallelState,
         rotary: RotaryEmbedding,
-        make_layer: Callable[[int], nn.Module],
+        make_layer: Callable[[int], DecoderLayer],
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
@@ -99,9 +151,12 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(positions, x, fb)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, fb)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.forward_add(x, residual)[0]
 
 
 class DecoderOnlyLM(CausalLM):

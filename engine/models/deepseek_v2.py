@@ -26,6 +26,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.forward_batch import ForwardBatch
+from engine.kernels.mla_preamble import mla_preamble
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -34,7 +35,13 @@ from engine.layers.linear import (
 from engine.layers.moe import Experts, TopkRouter
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import DecoderModel, DecoderOnlyLM, WeightTarget, default_targets
+from engine.models.base import (
+    DecoderLayer,
+    DecoderModel,
+    DecoderOnlyLM,
+    WeightTarget,
+    default_targets,
+)
 from engine.models.llama import LlamaMLP
 
 
@@ -95,6 +102,9 @@ class MLAAttention(nn.Module):
         self.w_vc = torch.empty(0)
         # Tests flip this to run prefill through the absorbed path too.
         self.absorb_extend = False
+        # "auto": the preamble kernel (latent norm + RoPE) and in-place query assembly on CUDA,
+        # the torch code elsewhere ("triton" / "native" force one, for tests).
+        self.kernel = "auto"
 
     def post_load(self) -> None:
         w = self.kv_b_proj.weight.detach()
@@ -110,25 +120,65 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, h, -1)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
-        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
-        if fb.is_decode or self.absorb_extend:
-            out = self._forward_absorbed(q_nope, q_pe, latent, fb)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        absorbed = fb.is_decode or self.absorb_extend
+        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
+            out = self._forward_fused(positions, q_nope, q_pe, kv_a, absorbed, fb)
         else:
-            out = self._forward_decompressed(q_nope, q_pe, latent, fb)
+            c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+            latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
+            if absorbed:
+                q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
+                q_abs = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + rope]
+                out = self._attend_absorbed(q_abs, latent, fb, fused=False)
+            else:
+                out = self._forward_decompressed(q_nope, q_pe, latent, fb)
         return self.o_proj(out.reshape(t, h * self.v_head_dim))
 
-    def _forward_absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
+    def _forward_fused(
+        self,
+        positions: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_a: torch.Tensor,
+        absorbed: bool,
+        fb: ForwardBatch,
     ) -> torch.Tensor:
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
-        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + rope]
+        """The CUDA path: the latent norm, both RoPEs and the latent row in one kernel; the
+        absorbed query is assembled in place (rotated q_pe and q_nope @ W_UK written into its
+        columns), so nothing is concatenated."""
+        rotary, norm = self.rotary[0], self.kv_a_layernorm
+        t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
+        q_abs = q_nope.new_empty(t, h, r + self.qk_rope_head_dim) if absorbed else None
+        latent, q_pe = mla_preamble(
+            kv_a,
+            q_pe,
+            norm.weight,
+            norm.eps,
+            positions,
+            rotary.inv_freq,
+            rotary.attention_scaling,
+            rotary.interleaved,
+            q_pe_out=None if q_abs is None else q_abs[..., r:],
+        )
+        if q_abs is None:
+            return self._forward_decompressed(q_nope, q_pe, latent.unsqueeze(1), fb)
+        torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_abs[..., :r].transpose(0, 1))
+        return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
+
+    def _attend_absorbed(
+        self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch, fused: bool
+    ) -> torch.Tensor:
+        """q [T, H, r + rope] over the latent rows; W_UV applied to the output -> [T, H, v]
+        (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is)."""
         out_latent = self.attn_mqa(q, latent, None, fb)  # [T, H, r]
-        return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
+        if not fused:
+            return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
+        out = out_latent.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        torch.bmm(out_latent.transpose(0, 1), self.w_vc.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _forward_decompressed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
@@ -163,9 +213,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)  # this rank's partial sum
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = self.experts(x, weights, ids, shared)  # this rank's partial sum
         return self.parallel.all_reduce(out)
 
 
@@ -177,7 +226,7 @@ def _num_routed_experts(hf: Any) -> int:
     raise ValueError("DeepSeek config names no routed expert count (n_routed_experts)")
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
     ) -> None:
@@ -192,10 +241,6 @@ class DeepseekDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _is_moe(hf: Any) -> bool:

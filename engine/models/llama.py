@@ -8,12 +8,13 @@ column-parallel, o_proj and down_proj row-parallel, the embedding and LM head vo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
+from engine.distributed.sharding import ShardSpec
 from engine.forward_batch import ForwardBatch
+from engine.layers.activation import SiluAndMul
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -21,12 +22,22 @@ from engine.layers.linear import (
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.base import DecoderModel, DecoderOnlyLM
+from engine.models.base import (
+    DecoderLayer,
+    DecoderModel,
+    DecoderOnlyLM,
+    MergedWeights,
+    WeightTarget,
+)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(MergedWeights):
     """SiLU-gated MLP, intermediate features split across ranks. `reduce_results=False` leaves
-    the output a per-rank partial sum (DeepSeek's shared experts: one all-reduce for the MoE)."""
+    the output a per-rank partial sum (DeepSeek's shared experts: one all-reduce for the MoE).
+
+    The gate and up projections are one weight [2 * I, H] (this rank's gate rows, then its up
+    rows), loaded from the checkpoint's gate_proj and up_proj: one GEMM, then SiLU-and-multiply.
+    """
 
     def __init__(
         self,
@@ -38,18 +49,28 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         what = "MLP intermediate features"
-        self.gate_proj = ColumnParallelLinear(
-            hidden_size, intermediate_size, parallel, bias, what=what
-        )
-        self.up_proj = ColumnParallelLinear(
-            hidden_size, intermediate_size, parallel, bias, what=what
-        )
+        start, size = parallel.shard(intermediate_size, what)
+        self.shard = ShardSpec(0, start, size, intermediate_size)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * size, bias=bias)
+        self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, parallel, bias, reduce_results=reduce_results, what=what
         )
 
+    def merged_parameters(self) -> tuple[str, ...]:
+        return tuple(f"gate_up_proj.{name}" for name, _ in self.gate_up_proj.named_parameters())
+
+    def checkpoint_targets(self) -> dict[str, WeightTarget]:
+        size = self.shard.size
+        halves = {"gate_proj": slice(0, size), "up_proj": slice(size, 2 * size)}
+        return {
+            f"{proj}.{name}": WeightTarget(param.data, (rows,), self.shard)
+            for proj, rows in halves.items()
+            for name, param in self.gate_up_proj.named_parameters()
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -97,7 +118,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, -1))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
     ) -> None:
@@ -108,10 +129,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config.hidden_size, hf.intermediate_size, parallel, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

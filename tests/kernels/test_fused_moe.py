@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.fused_moe import fused_moe, moe_align_block_size
-from engine.kernels.reference import fused_moe_ref
+from engine.kernels.reference import fused_moe_ref, moe_align_block_size_ref
 
 
 def test_moe_align_block_size(device: torch.device) -> None:
@@ -21,6 +21,57 @@ def test_moe_align_block_size(device: torch.device) -> None:
         real = [int(i) for i in sorted_ids[blk] if i < flat.numel()]
         assert all(int(flat[i]) == blk for i in real)
     assert sorted(int(i) for i in a.sorted_ids.cpu() if i < flat.numel()) == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m,id_dtype",
+    [
+        (1, 6, 64, 16, torch.int32),  # V2-Lite decode at batch 1
+        (300, 6, 64, 16, torch.int32),  # 1800 pairs: more than one chunk of 1024
+        (40, 8, 256, 64, torch.int64),  # V3's expert count
+        (13, 3, 10, 16, torch.int64),  # experts not a power of two
+    ],
+)
+def test_moe_align_block_size_matches_reference(
+    tokens: int, top_k: int, experts: int, block_m: int, id_dtype: torch.dtype, device: torch.device
+) -> None:
+    g = torch.Generator().manual_seed(tokens + experts)
+    # Skewed loads: a few experts take most pairs, some none.
+    probs = torch.rand(experts, generator=g) ** 4
+    ids = torch.stack([torch.multinomial(probs, top_k, generator=g) for _ in range(tokens)])
+    ids = ids.to(id_dtype).to(device)
+    got = moe_align_block_size(ids, experts, block_m)
+    ref_sorted, ref_experts, ref_num = moe_align_block_size_ref(ids, experts, block_m)
+    assert torch.equal(got.num_padded, ref_num)
+    assert torch.equal(got.expert_ids, ref_experts)
+    assert got.sorted_ids.shape == ref_sorted.shape
+    # The same pairs in each block (the kernel's order within an expert's run may differ).
+    n = int(ref_num.item())
+    blocks = got.sorted_ids[:n].view(-1, block_m).sort(dim=1)[0]
+    ref_blocks = ref_sorted[:n].view(-1, block_m)
+    run_sets_equal = [
+        torch.equal(
+            blocks[ref_experts[: n // block_m] == e].flatten().sort()[0],
+            ref_blocks[ref_experts[: n // block_m] == e].flatten().sort()[0],
+        )
+        for e in range(experts)
+    ]
+    assert all(run_sets_equal)
+    assert bool((got.sorted_ids[n:] == tokens * top_k).all())
+
+
+def test_fused_moe_adds_the_shared_output(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, hidden, inter = 7, 8, 2, 48, 32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    topk_w, topk_ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k)
+    shared = torch.randn(tokens, hidden, generator=g)
+    args = [t.to(device) for t in (x, w13, w2, topk_w, topk_ids)]
+    out = fused_moe(*args, shared_output=shared.to(device))
+    ref = fused_moe_ref(*args, shared_output=shared.to(device))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,95 @@
+"""MLA's preamble in one kernel: the latent row and the rotated query rope part.
+
+From kv_a_proj_with_mqa's output row [c_kv (kv_lora_rank) | k_pe (rope)] of each token it makes
+the row the latent pool stores, [kv_a_layernorm(c_kv) | RoPE(k_pe)], and rotates the query's rope
+part q_pe [H, rope] of the same token (one program per token: cos/sin computed once for both).
+The KV pool is not written here: the attention backend's `store_kv` does that.
+
+The rotated q_pe may be written straight into the absorbed query buffer [T, H, C + R] (its last R
+columns), so that no concatenation follows. Rounding as in the torch code: see
+`engine.kernels.norm` and `engine.kernels.rope`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.norm import rms_norm_row
+from engine.kernels.rope import rope_cos_sin, rope_heads
+
+
+@triton.jit
+def _mla_preamble_kernel(
+    kv_ptr,  # [T, C + R] kv_a_proj_with_mqa output (row stride given)
+    q_pe_ptr,  # [T, H, R] (strides given)
+    q_out_ptr,  # [T, H, R] (strides given)
+    latent_ptr,  # [T, C + R] (row stride given)
+    w_ptr,  # [C] kv_a_layernorm weight
+    pos_ptr,  # [T]
+    inv_freq_ptr,  # [R / 2] fp32
+    stride_kv, stride_qt, stride_qh, stride_ot, stride_oh, stride_lat,
+    num_heads, C, half, eps, scaling,
+    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    kv_row = kv_ptr + t * stride_kv
+    lat_row = latent_ptr + t * stride_lat
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    c = tl.load(kv_row + offs_c, mask=mask_c, other=0.0)
+    normed = rms_norm_row(c.to(tl.float32), w_ptr, offs_c, mask_c, C, eps, c.dtype)
+    tl.store(lat_row + offs_c, normed.to(latent_ptr.dtype.element_ty), mask=mask_c)
+
+    offs_j = tl.arange(0, BLOCK_J)
+    mask_j = offs_j < half
+    cos, sin = rope_cos_sin(pos_ptr, t, inv_freq_ptr, offs_j, mask_j, scaling,
+                            q_pe_ptr.dtype.element_ty)  # fmt: skip
+    # k_pe: one head, rotated into the latent row's last R columns.
+    rope_heads(kv_row + C, lat_row + C, 1, 0, 0, cos, sin, offs_j, mask_j, half, INTERLEAVED, 2)
+    rope_heads(
+        q_pe_ptr + t * stride_qt, q_out_ptr + t * stride_ot, num_heads, stride_qh, stride_oh,
+        cos, sin, offs_j, mask_j, half, INTERLEAVED, BLOCK_H,
+    )  # fmt: skip
+
+
+def mla_preamble(
+    kv_a: torch.Tensor,
+    q_pe: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    interleaved: bool,
+    q_pe_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_a [T, C + R]; q_pe [T, H, R]; norm_weight [C]; positions [T]; inv_freq [R / 2] fp32.
+
+    Returns (latent [T, C + R] in kv_a's dtype, rotated q_pe [T, H, R]): the rotated q_pe goes
+    into `q_pe_out` when given (any strides with a unit last one, e.g. the last R columns of the
+    absorbed query [T, H, C + R]), else into a new tensor. Rows may be strided views.
+    """
+    num_tokens, num_heads, rope = q_pe.shape
+    width = kv_a.shape[1]
+    kv_lora_rank = width - rope
+    assert kv_a.stride(1) == 1 and q_pe.stride(2) == 1 and norm_weight.shape == (kv_lora_rank,)
+    latent = torch.empty(num_tokens, width, dtype=kv_a.dtype, device=kv_a.device)
+    if q_pe_out is None:
+        q_pe_out = torch.empty(num_tokens, num_heads, rope, dtype=q_pe.dtype, device=q_pe.device)
+    assert q_pe_out.shape == q_pe.shape and q_pe_out.stride(2) == 1
+    if num_tokens == 0:
+        return latent, q_pe_out
+    half = rope // 2
+    block_c = triton.next_power_of_2(kv_lora_rank)
+    _mla_preamble_kernel[(num_tokens,)](
+        kv_a, q_pe, q_pe_out, latent, norm_weight, positions, inv_freq,
+        kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), q_pe_out.stride(0), q_pe_out.stride(1),
+        latent.stride(0), num_heads, kv_lora_rank, half, eps, float(attention_scaling),
+        INTERLEAVED=interleaved, BLOCK_C=block_c, BLOCK_J=triton.next_power_of_2(half),
+        BLOCK_H=max(2, min(16, triton.next_power_of_2(num_heads))),
+        num_warps=4 if block_c >= 512 else 2,
+    )  # fmt: skip
+    return latent, q_pe_out

@@ -1,0 +1,237 @@
+"""The MoE router in one kernel: gate logits -> scores -> (grouped) top-k -> weights.
+
+DeepSeek's two routings (what `engine.layers.moe.select_experts_native` computes):
+- V2 (`scoring="softmax"`): softmax scores; with groups (V2's group_limited_greedy) a group
+  ranks by its best score and the experts outside the `topk_group` best groups score 0; the
+  top-k experts by score, weighted by their scores.
+- V3 (`scoring="sigmoid"`): sigmoid scores; the choice adds `correction_bias` (the weights do
+  not), a group ranks by the sum of its two best biased scores and the experts outside the best
+  groups are out (-inf); the top-k experts by biased score, weighted by their plain scores.
+Then, with `renormalize`, the k weights are divided by their sum (+1e-20), and all are multiplied
+by `scale` (the routed scaling factor; the caller passes 1.0 where the model does not scale).
+
+One program routes BLOCK_T tokens over all experts (BLOCK_E >= E columns). The gate GEMM (fp32
+accumulation, as the reference's float32 F.linear) is folded into the program when the gate
+weight is small (V2-Lite: 64 x 2048); a bigger one (V3: 256 x 7168) gets its own GEMM kernel over
+(token, expert) tiles first, so that one program does not stream megabytes alone. No top-k sort
+and no host sync: the top-k is k rounds of arg-max over the row (ties go to the lower id).
+Returns float32 weights and int32 ids [T, k], the fused MoE kernel's inputs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.utils import INTERPRET_UPCAST, dot
+
+# Gate weights up to this size are streamed by the router program itself.
+FUSE_GATE_MAX_BYTES = 512 * 1024
+
+
+class RouterOutput(NamedTuple):
+    topk_weights: torch.Tensor  # [T, k] float32
+    topk_ids: torch.Tensor  # [T, k] int32
+
+
+@triton.jit
+def _gate_tile(x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+               UPCAST: tl.constexpr):  # fmt: skip
+    """logits [BLOCK_T, BLOCK_E] fp32 = x[offs_t] @ w[offs_e]^T, zero outside the masks."""
+    offs_h = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_h[None, :]
+    w_ptrs = w_ptr + offs_e.to(tl.int64)[None, :] * stride_w + offs_h[:, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask_h = offs_h < H - h0
+        a = tl.load(x_ptrs, mask=mask_t[:, None] & mask_h[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_h[:, None] & mask_e[None, :], other=0.0)  # [BH, BE]
+        if a.dtype != b.dtype:  # e.g. bf16 activations and an fp32 weight: multiply in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += dot(a, b, UPCAST)
+        x_ptrs += BLOCK_H
+        w_ptrs += BLOCK_H
+    return acc
+
+
+@triton.jit
+def _gate_logits_kernel(
+    x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [T, E] fp32
+    T, E, H, stride_x, stride_w, stride_l,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask_t, mask_e = offs_t < T, offs_e < E
+    acc = _gate_tile(
+        x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
+        BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
+    )  # fmt: skip
+    l_ptrs = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
+    tl.store(l_ptrs, acc, mask=mask_t[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _argmax(vals, offs, BIG: tl.constexpr):
+    """Per row of vals [M, N]: the max and the lowest column index holding it."""
+    m = tl.max(vals, 1)
+    idx = tl.min(tl.where(vals == m[:, None], offs[None, :], BIG), 1)
+    return m, idx
+
+
+@triton.jit
+def _moe_router_kernel(
+    x_ptr,  # [T, H] (FUSE_GATE) or fp32 logits [T, E]
+    w_ptr,  # [E, H] gate weight (FUSE_GATE)
+    bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
+    topk_w_ptr,  # [T, TOP_K] fp32
+    topk_ids_ptr,  # [T, TOP_K] int32
+    T, E, H, stride_x, stride_w, group_size, scale,
+    TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_t, mask_e = offs_t < T, offs_e < E
+    if FUSE_GATE:
+        logits = _gate_tile(
+            x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
+            BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
+        )  # fmt: skip
+    else:
+        l_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_e[None, :]
+        logits = tl.load(l_ptrs, mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    neg_inf = float("-inf")
+    valid = mask_e[None, :] & (offs_t[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0)[None, :]
+    else:
+        z = tl.where(valid, logits, neg_inf)
+        p = tl.exp(z - tl.max(z, 1)[:, None])
+        scores = p / tl.sum(p, 1)[:, None]
+        choice = scores
+    choice = tl.where(valid, choice, neg_inf)
+
+    if NUM_GROUPS > 1:
+        # Rank the groups (V2: best score; V3: sum of the two best biased scores), keep the
+        # TOPK_GROUP best, and take the experts of the other groups out of the choice.
+        group_of = offs_e // group_size
+        offs_g = tl.arange(0, BLOCK_G)
+        group_scores = tl.full([BLOCK_T, BLOCK_G], neg_inf, dtype=tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            vals = tl.where((group_of == g)[None, :], choice, neg_inf)
+            best, best_idx = _argmax(vals, offs_e, BLOCK_E)
+            if SIGMOID:
+                second = tl.max(tl.where(offs_e[None, :] == best_idx[:, None], neg_inf, vals), 1)
+                best = best + second
+            group_scores = tl.where(offs_g[None, :] == g, best[:, None], group_scores)
+        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, g_idx = _argmax(group_scores, offs_g, BLOCK_G)
+            group_scores = tl.where(offs_g[None, :] == g_idx[:, None], neg_inf, group_scores)
+            keep = keep | (group_of[None, :] == g_idx[:, None])
+        if SIGMOID:
+            choice = tl.where(keep, choice, neg_inf)
+        else:
+            choice = tl.where(keep | ~valid, choice, 0.0)  # V2 zeroes the scores (masked_fill)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    topk_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    topk_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        w, idx = _argmax(choice, offs_e, BLOCK_E)
+        picked = offs_e[None, :] == idx[:, None]
+        if SIGMOID:  # V3 weighs by the score without the bias; V2 by the (masked) score itself
+            w = tl.sum(tl.where(picked, scores, 0.0), 1)
+        topk_w = tl.where(offs_k[None, :] == k, w[:, None], topk_w)
+        topk_ids = tl.where(offs_k[None, :] == k, idx[:, None], topk_ids)
+        choice = tl.where(picked, neg_inf, choice)
+    if RENORMALIZE:
+        topk_w = topk_w / (tl.sum(topk_w, 1)[:, None] + 1e-20)
+    topk_w = topk_w * scale
+    out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
+    mask_out = mask_t[:, None] & (offs_k[None, :] < TOP_K)
+    tl.store(topk_w_ptr + out, topk_w, mask=mask_out)
+    tl.store(topk_ids_ptr + out, topk_ids, mask=mask_out)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ weight [E, H]^T -> [T, E] float32 (fp32 accumulation, 16-bit tensor cores
+    when x and weight share a 16-bit dtype)."""
+    x, weight = _rows(x), _rows(weight)
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return logits
+    block_t, block_e = 16, 32
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
+    _gate_logits_kernel[grid](
+        x, weight, logits, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0),
+        logits.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=128,
+        UPCAST=INTERPRET_UPCAST, num_warps=4,
+    )  # fmt: skip
+    return logits
+
+
+def moe_router(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = False,
+    scale: float = 1.0,
+    fuse_gate: bool | None = None,
+) -> RouterOutput:
+    """x [T, H]; weight [E, H] (the gate); correction_bias [E] fp32 (sigmoid scoring only).
+
+    `fuse_gate` (None: by the weight's size) computes the gate logits inside the router program.
+    """
+    assert scoring in ("softmax", "sigmoid"), scoring
+    assert correction_bias is None or scoring == "sigmoid"
+    num_tokens, hidden = x.shape
+    num_experts = weight.shape[0]
+    assert num_experts % num_groups == 0 and top_k <= num_experts
+    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    if num_tokens == 0:
+        return RouterOutput(topk_weights, topk_ids)
+    if fuse_gate is None:
+        fuse_gate = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
+    if fuse_gate:
+        src, weight = _rows(x), _rows(weight)
+    else:
+        src = gate_logits(x, weight)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_t = 16
+    _moe_router_kernel[(triton.cdiv(num_tokens, block_t),)](
+        src, weight, correction_bias if correction_bias is not None else topk_weights,
+        topk_weights, topk_ids,
+        num_tokens, num_experts, hidden, src.stride(0), weight.stride(0),
+        num_experts // num_groups, float(scale),
+        TOP_K=top_k, NUM_GROUPS=num_groups, TOPK_GROUP=topk_group,
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, triton.next_power_of_2(num_groups)),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), UPCAST=INTERPRET_UPCAST,
+        num_warps=4 if block_e <= 128 else 8,
+    )  # fmt: skip
+    return RouterOutput(topk_weights, topk_ids)
