@@ -132,3 +132,38 @@ def test_prompt_at_the_context_limit_is_rejected() -> None:
     with pytest.raises(ValueError, match="context limit is 32"):
         sched.add_request(Req(rid="x", prompt_ids=[1] * 32, params=SamplingParams(), arrival=0))
     assert not sched.has_work()
+
+
+def test_long_prompt_shares_steps_with_decoding_requests() -> None:
+    """Beside decoding requests, a long prompt's prefill alternates with decode steps and its
+    chunks shrink to about one decode step's time; short prompts go before its chunks."""
+    config = EngineConfig(model="unused", chunked_prefill_size=512, schedule_policy="fcfs")
+    sched = Scheduler(config, 8192, 4096, 8)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    sched.add_request(Req("short0", [1, 2, 3], params, 0))
+    out = sched.schedule()
+    assert out is not None and out.batch.mode == ForwardMode.EXTEND
+    sched.process_batch(out, {0: 7})
+    sched.record_step(out, 0.03)  # 3 tokens: 10 ms per prefill token
+    assert sched.prefill_budget() == 512  # no decode time measured yet
+    sched.add_request(Req("long", list(range(10, 3010)), params, 0))
+    sched.add_request(Req("short1", [4, 5], params, 0))
+    modes, chunks = [], []
+    for _ in range(8):
+        out = sched.schedule()
+        assert out is not None
+        modes.append(out.batch.mode)
+        if out.batch.mode == ForwardMode.EXTEND:
+            chunks.append(
+                {r.rid: len(e.input_ids) for r, e in zip(out.reqs, out.batch.entries, strict=True)}
+            )
+        sched.process_batch(out, {row: 7 for row in out.sample_rows})
+        sched.record_step(
+            out, 0.5 if out.batch.mode == ForwardMode.DECODE else 0.01 * out.batch.num_tokens
+        )
+    # short0 decodes first (the last step was a prefill), then prefill and decode alternate;
+    # a prefill step takes 0.5 s / 10 ms = 50 tokens, the short prompt before the long chunk.
+    assert modes == [ForwardMode.DECODE, ForwardMode.EXTEND] * 4
+    assert chunks[0] == {"short1": 2, "long": 48}
+    assert all(c == {"long": 50} for c in chunks[1:])
+    sched.check_integrity()
