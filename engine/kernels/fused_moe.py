@@ -122,6 +122,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, H] (A_DIV_TOPK) or activations [T * top_k, I]
     b_ptr,  # [E, N (x2 when GATED), K]: w13 or w2
+    s_ptr,  # HAS_SHARED: the shared experts' gate_up [2 * S, K] or down [N, S]
     c_ptr,  # [T * top_k, N]
     topk_w_ptr,  # [T * top_k] fp32
     sorted_ids_ptr,
@@ -129,7 +130,9 @@ def _moe_gemm_kernel(
     num_padded_ptr,
     N, K, num_pairs, top_k,
     stride_am, stride_be, stride_bn, stride_cm,
+    num_routed, s_stride_be, s_stride_bn, s_up,
     A_DIV_TOPK: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -147,7 +150,16 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    # The expert's weight [N (gate, then up at `up` when GATED), K], rows `bn` apart.
+    b_base = b_ptr + expert * stride_be
+    bn = tl.cast(stride_bn, tl.int64)
+    up = tl.cast(N, tl.int64) * stride_bn
+    if HAS_SHARED:
+        if expert >= num_routed:  # slot j of the shared experts: a slice of their MLP weights
+            b_base = s_ptr + (expert - num_routed) * s_stride_be
+            bn = tl.cast(s_stride_bn, tl.int64)
+            up = tl.cast(s_up, tl.int64)
+    b_ptrs = b_base + offs_n[None, :].to(tl.int64) * bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -156,9 +168,7 @@ def _moe_gemm_kernel(
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
         acc += dot(a, b, UPCAST)
         if GATED:
-            b_up = tl.load(
-                b_ptrs + N * stride_bn, mask=mask_k[:, None] & mask_n[None, :], other=0.0
-            )
+            b_up = tl.load(b_ptrs + up, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             acc_up += dot(a, b_up, UPCAST)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -169,6 +179,16 @@ def _moe_gemm_kernel(
         acc = acc * w[:, None]
     c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+class SharedExperts(NamedTuple):
+    """The shared experts' MLP weights, run by the fused MoE as `num_slots` always-on experts
+    of the routed experts' intermediate size I: slot j is rows j*I..(j+1)*I of the gate and up
+    halves of `gate_up` and the same columns of `down`. (An MLP of intermediate n*I is the sum
+    of n MLPs over its slices of I.) The router gives each slot weight 1."""
+
+    gate_up: torch.Tensor  # [2 * S, H] (gate rows, then up rows), S = num_slots * I
+    down: torch.Tensor  # [H, S]
 
 
 def _moe_gemm(
@@ -183,13 +203,23 @@ def _moe_gemm(
     gated: bool,
     mul_weight: bool,
     cfg: MoEConfig,
+    shared: torch.Tensor | None,
 ) -> None:
     k = a.shape[1]
+    num_routed = b.shape[0]
+    if shared is None:
+        s_args = (b, num_routed, 0, 0, 0)
+    elif gated:  # gate_up [2 * S, K]: slot j starts at row j * n, up half S rows on
+        s_args = (shared, num_routed, n * shared.stride(0), shared.stride(0),
+                  shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
+    else:  # down [N, S]: slot j is columns j * K.., rows S apart
+        s_args = (shared, num_routed, k, shared.stride(0), 0)
     grid = (align.expert_ids.shape[0], triton.cdiv(n, cfg.block_n))
     _moe_gemm_kernel[grid](
-        a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
+        a, b, s_args[0], c, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
         n, k, c.shape[0], top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight,
+        *s_args[1:],
+        A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -232,6 +262,13 @@ def _moe_sum(down: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Te
     return out
 
 
+def shared_expert_slots(shared: SharedExperts, inter: int) -> int:
+    """How many experts of intermediate size `inter` the shared MLP makes (0: it does not
+    split into whole slots, so it cannot run inside the fused MoE)."""
+    size = shared.down.shape[1]
+    return size // inter if size % inter == 0 else 0
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -240,20 +277,32 @@ def fused_moe(
     topk_ids: torch.Tensor,
     config: MoEConfig | None = None,
     shared_output: torch.Tensor | None = None,
+    shared_experts: SharedExperts | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
     topk_weights [T, k]; topk_ids [T, k]; shared_output [T, H] or None. Returns [T, H] =
-    sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum)."""
+    sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum).
+
+    With `shared_experts`, ids E..E+n-1 in topk_ids name its n slots (`SharedExperts`)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     assert hidden.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    if shared_experts is not None:
+        gate_up, down = shared_experts
+        assert gate_up.stride(1) == 1 and down.stride(1) == 1 and gate_up.dtype == w13.dtype
+        slots = shared_expert_slots(shared_experts, inter)
+        assert slots > 0 and gate_up.shape == (2 * slots * inter, hidden_size)
+        num_experts += slots
     cfg = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
     align = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))
-    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, cfg)
-    down = hidden.new_empty((num_tokens * top_k, hidden_size))
-    _moe_gemm(act, w2, down, weights, align, top_k, hidden_size, False, False, True, cfg)
-    return _moe_sum(down.view(num_tokens, top_k, hidden_size), shared_output)
+    s13 = s2 = None
+    if shared_experts is not None:
+        s13, s2 = shared_experts
+    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, cfg, s13)
+    down_out = hidden.new_empty((num_tokens * top_k, hidden_size))
+    _moe_gemm(act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, cfg, s2)
+    return _moe_sum(down_out.view(num_tokens, top_k, hidden_size), shared_output)

@@ -89,10 +89,11 @@ def _moe_router_kernel(
     x_ptr,  # [T, H] (FUSE_GATE) or fp32 logits [T, E]
     w_ptr,  # [E, H] gate weight (FUSE_GATE)
     bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
-    topk_w_ptr,  # [T, TOP_K] fp32
-    topk_ids_ptr,  # [T, TOP_K] int32
+    topk_w_ptr,  # [T, TOP_K + NUM_SHARED] fp32
+    topk_ids_ptr,  # [T, TOP_K + NUM_SHARED] int32
     T, E, H, stride_x, stride_w, group_size, scale,
-    TOP_K: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -159,8 +160,12 @@ def _moe_router_kernel(
     if RENORMALIZE:
         topk_w = topk_w / (tl.sum(topk_w, 1)[:, None] + 1e-20)
     topk_w = topk_w * scale
-    out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
-    mask_out = mask_t[:, None] & (offs_k[None, :] < TOP_K)
+    if NUM_SHARED > 0:  # the shared experts' slots E.., weight 1
+        shared = (offs_k >= TOP_K)[None, :]
+        topk_w = tl.where(shared, 1.0, topk_w)
+        topk_ids = tl.where(shared, E + offs_k[None, :] - TOP_K, topk_ids)
+    out = offs_t.to(tl.int64)[:, None] * (TOP_K + NUM_SHARED) + offs_k[None, :]
+    mask_out = mask_t[:, None] & (offs_k[None, :] < TOP_K + NUM_SHARED)
     tl.store(topk_w_ptr + out, topk_w, mask=mask_out)
     tl.store(topk_ids_ptr + out, topk_ids, mask=mask_out)
 
@@ -199,19 +204,23 @@ def moe_router(
     topk_group: int = 1,
     renormalize: bool = False,
     scale: float = 1.0,
+    num_shared: int = 0,
     fuse_gate: bool | None = None,
 ) -> RouterOutput:
     """x [T, H]; weight [E, H] (the gate); correction_bias [E] fp32 (sigmoid scoring only).
 
-    `fuse_gate` (None: by the weight's size) computes the gate logits inside the router program.
+    `num_shared` > 0 appends that many columns naming experts E, E+1, ... with weight 1 (the
+    shared experts' slots in the fused MoE). `fuse_gate` (None: by the weight's size) computes
+    the gate logits inside the router program.
     """
     assert scoring in ("softmax", "sigmoid"), scoring
     assert correction_bias is None or scoring == "sigmoid"
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     assert num_experts % num_groups == 0 and top_k <= num_experts
-    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    width = top_k + num_shared
+    topk_weights = torch.empty(num_tokens, width, dtype=torch.float32, device=x.device)
+    topk_ids = torch.empty(num_tokens, width, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return RouterOutput(topk_weights, topk_ids)
     if fuse_gate is None:
@@ -227,11 +236,11 @@ def moe_router(
         topk_weights, topk_ids,
         num_tokens, num_experts, hidden, src.stride(0), weight.stride(0),
         num_experts // num_groups, float(scale),
-        TOP_K=top_k, NUM_GROUPS=num_groups, TOPK_GROUP=topk_group,
+        TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups, TOPK_GROUP=topk_group,
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, triton.next_power_of_2(num_groups)),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), UPCAST=INTERPRET_UPCAST,
+        BLOCK_K=max(2, triton.next_power_of_2(width)), UPCAST=INTERPRET_UPCAST,
         num_warps=4 if block_e <= 128 else 8,
     )  # fmt: skip
     return RouterOutput(topk_weights, topk_ids)

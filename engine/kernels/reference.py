@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.layers.activation import silu_and_mul_native
 from engine.layers.attention.torch_native import causal_attention as _native_causal_attention
-from engine.layers.moe import moe_forward_native, select_experts_native
+from engine.layers.moe import append_shared_experts, moe_forward_native, select_experts_native
 from engine.layers.norm import fused_add_rms_norm_native, rms_norm_native
 from engine.layers.rotary import apply_rope_native, rope_cos_sin
 
@@ -178,9 +179,19 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     shared_output: torch.Tensor | None = None,
+    shared_experts: SharedExperts | None = None,
 ) -> torch.Tensor:
     """Reference for `fused_moe` and the benchmark's baseline: the per-expert loop in fp32
-    (plus `shared_output`). Returns [T, H] in hidden's dtype."""
+    (plus `shared_output`). `shared_experts`' slots are stacked after the routed experts as
+    ordinary experts. Returns [T, H] in hidden's dtype."""
+    if shared_experts is not None:
+        inter = w13.shape[1] // 2
+        gate_up, down = shared_experts
+        gate, up = gate_up.split(gate_up.shape[0] // 2)
+        slots = range(shared_expert_slots(shared_experts, inter))
+        part = [slice(j * inter, (j + 1) * inter) for j in slots]
+        w13 = torch.cat([w13] + [torch.cat([gate[p], up[p]])[None] for p in part])
+        w2 = torch.cat([w2] + [down[:, p][None] for p in part])
     out = moe_forward_native(hidden, w13, w2, topk_weights, topk_ids, torch.float32)
     if shared_output is None:
         return out
@@ -198,11 +209,12 @@ def moe_router_ref(
     topk_group: int = 1,
     renormalize: bool = False,
     scale: float = 1.0,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for `moe_router`: float32 gate logits, then the router's torch code.
-    Returns (weights [T, k] float32, ids [T, k] int64)."""
+    Returns (weights [T, k + num_shared] float32, ids [T, k + num_shared] int64)."""
     logits = x.float() @ weight.float().t()
-    return select_experts_native(
+    weights, ids = select_experts_native(
         logits,
         top_k,
         scoring=scoring,
@@ -212,6 +224,7 @@ def moe_router_ref(
         renormalize=renormalize,
         scale=scale,
     )
+    return append_shared_experts(weights, ids, weight.shape[0], num_shared)
 
 
 def moe_align_block_size_ref(

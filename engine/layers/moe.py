@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
-from engine.kernels.fused_moe import fused_moe
+from engine.kernels.fused_moe import SharedExperts, fused_moe
 from engine.kernels.moe_router import moe_router
 
 
@@ -50,10 +50,14 @@ class TopkRouter(nn.Module):
         # force one, for tests).
         self.kernel = "auto"
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda)
+
+    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int32 on the kernel
-        path, int64 on the torch path)."""
-        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
+        path, int64 on the torch path); `num_shared` > 0 appends the shared experts' slots
+        (`append_shared_experts`)."""
+        if self.uses_kernel(x):
             out = moe_router(
                 x,
                 self.weight,
@@ -64,9 +68,10 @@ class TopkRouter(nn.Module):
                 topk_group=self.topk_group,
                 renormalize=self.renormalize,
                 scale=self.scale,
+                num_shared=num_shared,
             )
             return out.topk_weights, out.topk_ids
-        return select_experts_native(
+        weights, ids = select_experts_native(
             F.linear(x.float(), self.weight.float()),
             self.top_k,
             scoring=self.scoring,
@@ -76,6 +81,22 @@ class TopkRouter(nn.Module):
             renormalize=self.renormalize,
             scale=self.scale,
         )
+        return append_shared_experts(weights, ids, self.num_experts, num_shared)
+
+
+def append_shared_experts(
+    weights: torch.Tensor, ids: torch.Tensor, num_experts: int, num_shared: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing [T, k] -> [T, k + num_shared]: every token also takes experts num_experts..
+    (the shared experts' slots in the fused MoE) with weight 1."""
+    if num_shared == 0:
+        return weights, ids
+    t = ids.shape[0]
+    extra = torch.arange(num_experts, num_experts + num_shared, device=ids.device)
+    return (
+        torch.cat([weights, weights.new_ones(t, num_shared)], dim=1),
+        torch.cat([ids, extra.to(ids.dtype).expand(t, num_shared)], dim=1),
+    )
 
 
 def select_experts_native(
@@ -148,6 +169,9 @@ class Experts(nn.Module):
         # per-expert loop elsewhere; tests set "triton" to run the kernel under the interpreter.
         self.kernel = "auto"
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda)
+
     def shard_specs(self) -> tuple[ShardSpec, ShardSpec]:
         """This rank's slice of one expert's checkpoint gate/up [I, H] and down [H, I]."""
         start, size, full = (
@@ -163,14 +187,24 @@ class Experts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         shared_output: torch.Tensor | None = None,
+        shared_experts: SharedExperts | None = None,
     ) -> torch.Tensor:
         """The routed experts' weighted sum, plus `shared_output` (the shared experts' output:
-        on the kernel path it joins the final sum instead of costing an add of its own)."""
+        on the kernel path it joins the final sum instead of costing an add of its own).
+        `shared_experts` (kernel path only): the shared MLP's weights, run inside the fused MoE
+        as the experts that topk_ids name past the routed ones."""
         w13, w2 = self.w13_weight, self.w2_weight
-        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
+        if self.uses_kernel(x):
             return fused_moe(
-                x.contiguous(), w13, w2, topk_weights, topk_ids, shared_output=shared_output
+                x.contiguous(),
+                w13,
+                w2,
+                topk_weights,
+                topk_ids,
+                shared_output=shared_output,
+                shared_experts=shared_experts,
             )
+        assert shared_experts is None, "the shared experts run inside the fused MoE kernel only"
         out = moe_forward_native(x, w13, w2, topk_weights, topk_ids)
         return out if shared_output is None else out + shared_output
 

@@ -25,7 +25,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
+from engine.distributed.sharding import ShardSpec
 from engine.forward_batch import ForwardBatch
+from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.kernels.mla_preamble import mla_preamble
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
@@ -39,6 +41,7 @@ from engine.models.base import (
     DecoderLayer,
     DecoderModel,
     DecoderOnlyLM,
+    MergedWeights,
     WeightTarget,
     default_targets,
 )
@@ -59,7 +62,7 @@ def mla_softmax_scale(hf: Any, qk_head_dim: int) -> float:
     return scaling
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(MergedWeights):
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
     ) -> None:
@@ -78,15 +81,24 @@ class MLAAttention(nn.Module):
         hidden = config.hidden_size
         what = "attention heads"
         q_out = heads * qk_head_dim
+        # q_proj (q_a_proj with a query LoRA) and kv_a_proj_with_mqa read the same input: one
+        # GEMM computes both (SGLang's fused_qkv_a_proj_with_mqa); `checkpoint_targets` loads
+        # the checkpoint's tensors into its rows. q_proj is this rank's heads, the rest whole.
+        self.q_shard: ShardSpec | None = None
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, q_out, parallel, False, qk_head_dim, what)
+            start = parallel.shard(heads, what)[0]
+            self.q_a_size = h * qk_head_dim
+            self.q_shard = ShardSpec(0, start * qk_head_dim, self.q_a_size, q_out)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_size = self.q_lora_rank
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
             self.q_b_proj = ColumnParallelLinear(
                 self.q_lora_rank, q_out, parallel, False, qk_head_dim, what
             )
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, r + self.qk_rope_head_dim, bias=bias)
+        kv_a_size = r + self.qk_rope_head_dim
+        self.fused_qkv_a_proj_with_mqa = nn.Linear(hidden, self.q_a_size + kv_a_size, bias=bias)
+        if bias:  # q_proj has none: its rows of the bias stay zero
+            nn.init.zeros_(self.fused_qkv_a_proj_with_mqa.bias)
         self.kv_a_layernorm = RMSNorm(r)
         kv_unit = self.qk_nope_head_dim + self.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(r, heads * kv_unit, parallel, False, kv_unit, what)
@@ -106,6 +118,24 @@ class MLAAttention(nn.Module):
         # the torch code elsewhere ("triton" / "native" force one, for tests).
         self.kernel = "auto"
 
+    def merged_parameters(self) -> tuple[str, ...]:
+        fused = self.fused_qkv_a_proj_with_mqa
+        return tuple(f"fused_qkv_a_proj_with_mqa.{name}" for name, _ in fused.named_parameters())
+
+    def checkpoint_targets(self) -> dict[str, WeightTarget]:
+        fused = self.fused_qkv_a_proj_with_mqa
+        q_rows, kv_rows = slice(0, self.q_a_size), slice(self.q_a_size, None)
+        q_name = "q_proj" if self.q_lora_rank is None else "q_a_proj"
+        targets = {
+            f"{q_name}.weight": WeightTarget(fused.weight.data, (q_rows,), self.q_shard),
+            "kv_a_proj_with_mqa.weight": WeightTarget(fused.weight.data, (kv_rows,)),
+        }
+        if fused.bias is not None:
+            targets["kv_a_proj_with_mqa.bias"] = WeightTarget(fused.bias.data, (kv_rows,))
+            if self.q_lora_rank is not None:
+                targets["q_a_proj.bias"] = WeightTarget(fused.bias.data, (q_rows,))
+        return targets
+
     def post_load(self) -> None:
         w = self.kv_b_proj.weight.detach()
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -114,13 +144,13 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, h, -1)
+        q, kv_a = self.fused_qkv_a_proj_with_mqa(x).split(
+            [self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+        )
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(t, h, -1)  # a view of the fused output's rows without a query LoRA
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(x)
         absorbed = fb.is_decode or self.absorb_extend
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
             out = self._forward_fused(positions, q_nope, q_pe, kv_a, absorbed, fb)
@@ -205,17 +235,37 @@ class DeepseekMoE(nn.Module):
         self.gate = TopkRouter(hf, config.hidden_size, num_experts, is_v3)
         self.experts = Experts(num_experts, config.hidden_size, inter, parallel)
         n_shared = getattr(hf, "n_shared_experts", None) or 0
-        self.shared_experts = (
+        self.shared_experts: LlamaMLP | None = (
             LlamaMLP(config.hidden_size, inter * n_shared, parallel, reduce_results=False)
             if n_shared
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        out = self.experts(x, weights, ids, shared)  # this rank's partial sum
-        return self.parallel.all_reduce(out)
+        folded = self._folded_shared_experts(x)
+        if folded is not None:
+            # One fused MoE call runs the shared experts too, as always-on experts.
+            slots = shared_expert_slots(folded, self.experts.intermediate_size)
+            weights, ids = self.gate(x, num_shared=slots)
+            out = self.experts(x, weights, ids, shared_experts=folded)
+        else:
+            weights, ids = self.gate(x)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            out = self.experts(x, weights, ids, shared)
+        return self.parallel.all_reduce(out)  # each rank's output is a partial sum
+
+    def _folded_shared_experts(self, x: torch.Tensor) -> SharedExperts | None:
+        """The shared MLP's weights when the router and the experts both run as kernels and the
+        MLP splits into whole experts of this rank's intermediate size, else None."""
+        mlp = self.shared_experts
+        if mlp is None or not (self.gate.uses_kernel(x) and self.experts.uses_kernel(x)):
+            return None
+        if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return None
+        folded = SharedExperts(mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if shared_expert_slots(folded, self.experts.intermediate_size) == 0:
+            return None
+        return folded
 
 
 def _num_routed_experts(hf: Any) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.fused_moe import fused_moe, moe_align_block_size
+from engine.kernels.fused_moe import SharedExperts, fused_moe, moe_align_block_size
 from engine.kernels.reference import fused_moe_ref, moe_align_block_size_ref
 
 
@@ -101,5 +101,35 @@ def test_fused_moe(
     out = fused_moe(*args)
     ref = fused_moe_ref(*args)
     assert out.shape == (tokens, hidden) and out.dtype == dtype
+    tol = 1e-2 if dtype == torch.float32 else 3e-2
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_fused_moe_runs_the_shared_experts(
+    slots: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The shared MLP (intermediate slots x I) as always-on experts E.. of weight 1."""
+    g = torch.Generator().manual_seed(slots)
+    tokens, experts, top_k, hidden, inter = 9, 8, 2, 64, 48
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    gate_up = (torch.randn(2 * slots * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    down = (torch.randn(hidden, slots * inter, generator=g) / inter**0.5).to(dtype)
+    topk_w, topk_ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k)
+    extra = torch.arange(experts, experts + slots).expand(tokens, slots)
+    topk_w = torch.cat([topk_w, torch.ones(tokens, slots)], dim=1)
+    topk_ids = torch.cat([topk_ids, extra], dim=1)
+    args = [t.to(device) for t in (x, w13, w2, topk_w, topk_ids)]
+    shared = SharedExperts(gate_up.to(device), down.to(device))
+    out = fused_moe(*args, shared_experts=shared)
+    ref = fused_moe_ref(*args, shared_experts=shared)
+    # The slots are the shared MLP itself: down(silu(gate) * up) over the whole intermediate.
+    mlp = torch.nn.functional.silu(x.float() @ gate_up.float()[: slots * inter].t())
+    mlp = (mlp * (x.float() @ gate_up.float()[slots * inter :].t())) @ down.float().t()
+    routed = fused_moe_ref(x, w13, w2, topk_w[:, :top_k], topk_ids[:, :top_k])
+    torch.testing.assert_close(ref.float().cpu(), routed.float() + mlp, rtol=2e-2, atol=2e-2)
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol

@@ -67,3 +67,18 @@ def test_gate_logits(device: torch.device) -> None:
     out = gate_logits(x, w)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-5, atol=1e-4)
+
+
+def test_router_appends_the_shared_experts(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 32, generator=g).to(device)
+    w = torch.randn(16, 32, generator=g).to(device)
+    out = moe_router(x, w, 3, renormalize=True, scale=2.5, num_shared=2)
+    ref_w, ref_ids = moe_router_ref(x, w, 3, renormalize=True, scale=2.5, num_shared=2)
+    assert out.topk_ids.shape == (5, 5)
+    assert out.topk_ids[:, 3:].tolist() == [[16, 17]] * 5
+    assert bool((out.topk_weights[:, 3:] == 1).all())
+    got_w, got_ids = _sorted(out.topk_weights, out.topk_ids)
+    ref_w, ref_ids = _sorted(ref_w, ref_ids)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
