@@ -2,7 +2,8 @@
 
 Tensor parallelism splits the KV heads across ranks, each taking its KV heads' groups of query
 heads (uneven splits allowed: 3 KV heads over 2 ranks are 2 + 1); q/k/v and gate/up are
-column-parallel, o_proj and down_proj row-parallel, the embedding and LM head vocab-parallel.
+column-parallel (each pair or triple loaded into one weight, one GEMM), o_proj and down_proj
+row-parallel, the embedding and LM head vocab-parallel.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
-    ColumnParallelLinear,
     RowParallelLinear,
 )
 from engine.layers.norm import RMSNorm
@@ -73,7 +73,11 @@ class LlamaMLP(MergedWeights):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(MergedWeights):
+    """Grouped-query attention. q, k and v are one projection `qkv_proj` (this rank's query
+    rows, then its key rows, then its value rows), loaded from the checkpoint's q_proj, k_proj
+    and v_proj: one GEMM instead of three."""
+
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
     ) -> None:
@@ -89,11 +93,18 @@ class LlamaAttention(nn.Module):
             getattr(hf, "attention_bias", False) or config.architecture == "Qwen2ForCausalLM"
         )
         h, what = config.hidden_size, "KV heads"
-        self.q_proj = ColumnParallelLinear(
-            h, kv_heads * group * d, parallel, qkv_bias, group * d, what
-        )
-        self.k_proj = ColumnParallelLinear(h, kv_heads * d, parallel, qkv_bias, d, what)
-        self.v_proj = ColumnParallelLinear(h, kv_heads * d, parallel, qkv_bias, d, what)
+        start = parallel.shard(kv_heads, what)[0]
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        # Checkpoint name -> (rows of qkv_proj, this rank's slice of the checkpoint tensor).
+        q_spec = ShardSpec(0, start * group * d, self.q_size, kv_heads * group * d)
+        kv_spec = ShardSpec(0, start * d, self.kv_size, kv_heads * d)
+        self.qkv_parts = {
+            "q_proj": (slice(0, q_end), q_spec),
+            "k_proj": (slice(q_end, k_end), kv_spec),
+            "v_proj": (slice(k_end, None), kv_spec),
+        }
         o_bias = bool(getattr(hf, "attention_bias", False))
         self.o_proj = RowParallelLinear(
             kv_heads * group * d, h, parallel, o_bias, unit=group * d, what=what
@@ -108,11 +119,22 @@ class LlamaAttention(nn.Module):
             scaling=self.head_dim**-0.5,
         )
 
+    def merged_parameters(self) -> tuple[str, ...]:
+        return tuple(f"qkv_proj.{name}" for name, _ in self.qkv_proj.named_parameters())
+
+    def checkpoint_targets(self) -> dict[str, WeightTarget]:
+        return {
+            f"{proj}.{name}": WeightTarget(param.data, (rows,), spec)
+            for proj, (rows, spec) in self.qkv_parts.items()
+            for name, param in self.qkv_proj.named_parameters()
+        }
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # views of the fused output's rows
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary[0](positions, q, k)
         out = self.attn(q, k, v, fb)
         return self.o_proj(out.reshape(t, -1))
