@@ -166,4 +166,13 @@ def test_long_prompt_shares_steps_with_decoding_requests() -> None:
     assert modes == [ForwardMode.DECODE, ForwardMode.EXTEND] * 4
     assert chunks[0] == {"short1": 2, "long": 48}
     assert all(c == {"long": 50} for c in chunks[1:])
+    # GPU-like times (10 ms decode steps, 20 us per prefill token): a prefill step may take
+    # PREFILL_STALL_S, so chunks stay whole.
+    for _ in range(20):
+        out = sched.schedule()
+        assert out is not None
+        sched.process_batch(out, {row: 7 for row in out.sample_rows})
+        gpu_s = 0.01 if out.batch.mode == ForwardMode.DECODE else 2e-5 * out.batch.num_tokens
+        sched.record_step(out, gpu_s)
+    assert sched.prefill_budget() == 512
     sched.check_integrity()

@@ -27,6 +27,11 @@ from engine.scheduler.request import Req, ReqStatus
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
 MIN_PREFILL_TOKENS = 32  # a prefill step beside decoding requests takes at least this many
+# A prefill step may always take this long, however short the decode steps: a pause this short
+# in a stream goes unnoticed, and on a GPU it keeps prefill chunks whole (a 2,048-token chunk of
+# a 16B MoE model takes tens of ms there), so prefill throughput does not suffer. On a CPU a
+# chunk takes seconds, and the budget below shrinks it to about one decode step's time.
+PREFILL_STALL_S = 0.1
 STEP_TIME_EMA = 0.5  # weight of the newest step in the step-time averages
 
 
@@ -117,11 +122,11 @@ class Scheduler:
 
     def prefill_budget(self) -> int:
         """Prefill tokens for the next prefill step: `chunked_prefill_size`, but while requests
-        are decoding only what runs in about the time of one decode step, so every running
-        request's next token waits at most about one decode step's time for prefill work."""
+        are decoding only what runs in about the time of one decode step (or PREFILL_STALL_S,
+        if longer), so a running request's next token waits about that long for prefill work."""
         budget = self.config.chunked_prefill_size
         if self.running and self._decode_step_s and self._prefill_token_s:
-            fair = int(self._decode_step_s / self._prefill_token_s)
+            fair = int(max(self._decode_step_s, PREFILL_STALL_S) / self._prefill_token_s)
             budget = min(budget, max(fair, MIN_PREFILL_TOKENS))
         return budget
 
