@@ -57,23 +57,7 @@ class TopkRouter(nn.Module):
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int32 on the kernel
         path, int64 on the torch path); `num_shared` > 0 appends the shared experts' slots
         (`append_shared_experts`)."""
-        if self.uses_kernel(x):
-            out = moe_router(
-                x,
-                self.weight,
-                self.top_k,
-                scoring=self.scoring,
-                correction_bias=self.e_score_correction_bias,
-                num_groups=self.num_group,
-                topk_group=self.topk_group,
-                renormalize=self.renormalize,
-                scale=self.scale,
-                num_shared=num_shared,
-            )
-            return out.topk_weights, out.topk_ids
-        weights, ids = select_experts_native(
-            F.linear(x.float(), self.weight.float()),
-            self.top_k,
+        routing: dict[str, Any] = dict(
             scoring=self.scoring,
             correction_bias=self.e_score_correction_bias,
             num_groups=self.num_group,
@@ -81,6 +65,11 @@ class TopkRouter(nn.Module):
             renormalize=self.renormalize,
             scale=self.scale,
         )
+        if self.uses_kernel(x):
+            out = moe_router(x, self.weight, self.top_k, num_shared=num_shared, **routing)
+            return out.topk_weights, out.topk_ids
+        logits = F.linear(x.float(), self.weight.float())
+        weights, ids = select_experts_native(logits, self.top_k, **routing)
         return append_shared_experts(weights, ids, self.num_experts, num_shared)
 
 
