@@ -37,7 +37,7 @@ step() {
 }
 
 # The default model's weights are not on the device: leave out the tests that need them.
-step pytest 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
+step pytest 420 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
     tests/test_triton_backend.py tests/test_models_reference.py tests/test_kv_pool.py \
     tests/test_engine_batching.py tests/test_sampler.py \
     -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
