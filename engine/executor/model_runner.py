@@ -260,24 +260,35 @@ class ModelRunner:
             positions += range(e.prefix_len, e.prefix_len + n)
             input_ids += e.input_ids
             seq_lens.append(e.prefix_len + n)
-        dev = self.device
-        self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = (
-            torch.tensor(vals, dtype=torch.int32, device=dev)
-        )
         extend_lens = [len(e.input_ids) for e in batch.entries]
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=dev)
-
+        # NOTE: every integer input travels in one host-to-device copy (pinned on CUDA, so it
+        # does not wait for the copy engine): a decode step is otherwise a dozen small copies.
+        fields = [
+            input_ids,
+            positions,
+            [s for e in batch.entries for s in e.out_cache_loc],
+            [e.req_pool_idx for e in batch.entries],
+            seq_lens,
+            extend_lens,
+            rows,
+            cols,
+            vals,
+        ]
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(self.device, non_blocking=True).split([len(f) for f in fields])
+        ids, pos, out_loc, req_rows, lens, ext_lens, t_rows, t_cols, t_vals = packed
+        self.req_to_token[t_rows, t_cols] = t_vals.to(torch.int32)
         fb = ForwardBatch.build(
             batch.mode,
             self.ctx,
-            input_ids=ints(input_ids),
-            positions=ints(positions),
-            out_cache_loc=ints([s for e in batch.entries for s in e.out_cache_loc]),
-            req_pool_indices=ints([e.req_pool_idx for e in batch.entries]),
-            seq_lens=ints(seq_lens),
-            extend_lens=ints(extend_lens),
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=out_loc,
+            req_pool_indices=req_rows,
+            seq_lens=lens,
+            extend_lens=ext_lens,
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=[e.prefix_len for e in batch.entries],
             extend_lens_cpu=extend_lens,
@@ -326,6 +337,8 @@ class ModelRunner:
         self._generators.pop(rid, None)
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
+        if all(_plain_greedy(r) for r in requests):  # no per-request tensors to build
+            return SampleOutput(torch.argmax(logits, dim=-1), None)
         generators: list[torch.Generator | None] = []
         for r in requests:
             gen = self._generators.get(r.rid)
@@ -341,6 +354,11 @@ class ModelRunner:
         )
         history = [r.history for r in requests] if info.penalized_rows else None
         return self.sampler(logits, info, history)
+
+
+def _plain_greedy(r: SampleRequest) -> bool:
+    p = r.params
+    return p.is_greedy and p.repetition_penalty == 1.0 and not p.logprobs and not r.suppressed_ids
 
 
 def worker_main(
