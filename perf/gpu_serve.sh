@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# tritonserver + the engine on the GPU device machine, measured against the engine directly.
+#
+#   bash perf/gpu_serve.sh               # on the device (run from the repository root)
+#   bash perf/gpu_serve.sh --cpu-smoke   # here: the bundle's server, default model, tiny sizes
+#
+# Needs `.gpubundle/` (perf/make_gpu_bundle.py) and the tokenizer files of
+# models/smollm2-135m-instruct. Steps:
+#  1. unpack the trimmed server (.gpubundle/tritonserver.tar.xz) and put it on PYTHONPATH, where
+#     engine.serving.install.find_tritonserver() finds it through `import pytriton` and prepares
+#     the backends folder and LD_LIBRARY_PATH (the bundle's libraries, the interpreter's libpython);
+#     install the client wheels with pip --no-index --target /tmp/site (device only);
+#  2. the model: a random DeepSeek-V2-Lite checkpoint (perf/write_v2lite_checkpoint.py) on the
+#     device, the default SmolLM2 model in the smoke run;
+#  3. `python3 -m engine.serve` with LLM_MODEL and LLM_ settings, wait until ready;
+#  4. perf/serve_bench.py over gRPC at each concurrency, stop the server, then the same requests
+#     through AsyncEngine in-process (engine-direct);
+#  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz.
+# Settings (environment): CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
+# V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
+set -uo pipefail
+
+MODE=gpu
+[ "${1:-}" = "--cpu-smoke" ] && MODE=cpu
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/gpu_serve_out}
+WORK=${WORK:-/tmp/gpuserve}
+LOGS=$WORK/logs
+rm -rf "$WORK" && mkdir -p "$OUT" "$LOGS" "$WORK/triton"
+exec > >(tee "$LOGS/gpu_serve.log") 2>&1
+
+if [ "$MODE" = cpu ]; then
+  PY=${PY:-$ROOT/.venv/bin/python}
+  : "${CONCURRENCY:=1,2}" "${PROMPT_TOKENS:=16}" "${MAX_TOKENS:=8}" "${REQUESTS_PER_WORKER:=1}"
+  export LLM_MODEL=${LLM_MODEL:-$ROOT/models/smollm2-135m-instruct}
+  export LLM_MAX_TOTAL_TOKENS=${LLM_MAX_TOTAL_TOKENS:-4096} LLM_MAX_CONTEXT_LEN=${LLM_MAX_CONTEXT_LEN:-512}
+else
+  PY=${PY:-python3}
+  : "${CONCURRENCY:=1,16,64}" "${PROMPT_TOKENS:=512}" "${MAX_TOKENS:=256}" "${REQUESTS_PER_WORKER:=2}"
+  export LLM_MAX_RUNNING_REQUESTS=${LLM_MAX_RUNNING_REQUESTS:-128}
+  export LLM_MAX_CONTEXT_LEN=${LLM_MAX_CONTEXT_LEN:-2048}
+fi
+: "${READY_TIMEOUT:=420}"
+PYV=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+step() { echo "=== $(date +%T) $*"; }
+
+finish() {
+  step "packing logs"
+  nvidia-smi >"$LOGS/nvidia-smi.txt" 2>&1 || true
+  tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
+  ls -la "$OUT"
+}
+trap finish EXIT
+
+step "1. server bundle (Python $PYV, mode $MODE)"
+tar -xJf .gpubundle/tritonserver.tar.xz -C "$WORK/triton" || exit 1
+STUBS=$WORK/triton/pytriton/tritonserver/python_backend_stubs
+if [ "$MODE" = cpu ] && [ ! -f "$STUBS/$PYV/triton_python_backend_stub" ]; then
+  # the bundle carries the device's stub (3.12); this venv needs its own version's
+  venv_stub=$($PY -c 'import pathlib, pytriton; print(pathlib.Path(pytriton.__file__).parent)')
+  mkdir -p "$STUBS/$PYV"
+  cp "$venv_stub/tritonserver/python_backend_stubs/$PYV/triton_python_backend_stub" "$STUBS/$PYV/"
+fi
+SITE=/tmp/site
+if [ "$MODE" = gpu ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .gpubundle/whl/*.whl || exit 1
+fi
+export PYTHONPATH=$WORK/triton:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+LIBDIR=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
+LD_LIBRARY_PATH=$WORK/triton/nvidia_pytriton.libs:$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+  ldd "$STUBS/$PYV/triton_python_backend_stub" "$WORK/triton/pytriton/tritonserver/bin/tritonserver" \
+  >"$LOGS/ldd.txt" 2>&1
+grep "not found" "$LOGS/ldd.txt" && echo "WARNING: libraries not found (see ldd.txt)"
+$PY -m engine.serve --check || exit 1
+
+step "2. model"
+if [ "$MODE" = gpu ]; then
+  export LLM_MODEL=${LLM_MODEL:-/tmp/bench-v2lite}
+  $PY perf/write_v2lite_checkpoint.py --out "$LLM_MODEL" ${V2LITE_LAYERS:+--layers $V2LITE_LAYERS} \
+    || exit 1
+fi
+echo "LLM_MODEL=$LLM_MODEL"
+env | grep '^LLM_' | sort
+
+step "3. tritonserver"
+read -r HTTP GRPC METRICS < <($PY -c '
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])')
+$PY -m engine.serve --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS" \
+  >"$LOGS/server.log" 2>&1 &
+SERVER=$!
+stop_server() {
+  kill -TERM "$SERVER" 2>/dev/null || return 0
+  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL "$SERVER" 2>/dev/null
+}
+trap 'stop_server; finish' EXIT
+t0=$(date +%s)
+until $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$HTTP/v2/health/ready', timeout=2)" 2>/dev/null; do
+  if ! kill -0 "$SERVER" 2>/dev/null; then echo "server exited"; tail -50 "$LOGS/server.log"; exit 1; fi
+  if [ $(($(date +%s) - t0)) -gt "$READY_TIMEOUT" ]; then echo "not ready"; tail -50 "$LOGS/server.log"; exit 1; fi
+  sleep 2
+done
+echo "ready after $(($(date +%s) - t0)) s (http $HTTP, grpc $GRPC)" | tee "$LOGS/ready.txt"
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$LOGS/ready.txt" 2>&1 || true
+
+BENCH=(--concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --max-tokens "$MAX_TOKENS"
+  --requests-per-worker "$REQUESTS_PER_WORKER")
+step "4a. serve_bench through tritonserver (gRPC)"
+$PY perf/serve_bench.py --target server --url "127.0.0.1:$GRPC" "${BENCH[@]}" \
+  --out "$OUT/server.json" 2>"$LOGS/bench_server.err" >/dev/null
+RC_SERVER=$?
+tail -5 "$LOGS/bench_server.err"
+curl -s "http://127.0.0.1:$METRICS/metrics" >"$LOGS/metrics.txt" 2>/dev/null || true
+stop_server
+trap finish EXIT
+
+step "4b. serve_bench engine-direct (AsyncEngine in this process)"
+$PY perf/serve_bench.py --target engine "${BENCH[@]}" \
+  --out "$OUT/engine.json" 2>"$LOGS/bench_engine.err" >/dev/null
+RC_ENGINE=$?
+tail -5 "$LOGS/bench_engine.err"
+
+step "5. summary"
+$PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+res = {}
+for name in ("server", "engine"):
+    p = out / f"{name}.json"
+    res[name] = json.loads(p.read_text()) if p.is_file() else None
+rows = []
+if res["server"] and res["engine"]:
+    eng = {r["concurrency"]: r for r in res["engine"]["rows"]}
+    for s in res["server"]["rows"]:
+        e = eng.get(s["concurrency"])
+        if not e:
+            continue
+        def div(a, b):
+            return round(a / b, 3) if a is not None and b else None
+        def sub(a, b):
+            return round(a - b, 3) if a is not None and b is not None else None
+        rows.append({
+            "concurrency": s["concurrency"],
+            "server_tok_per_s": s["output_tok_per_s"], "engine_tok_per_s": e["output_tok_per_s"],
+            "throughput_ratio": div(s["output_tok_per_s"], e["output_tok_per_s"]),
+            "ttft_p50_overhead_ms": sub(s["ttft_p50_ms"], e["ttft_p50_ms"]),
+            "itl_p50_server_ms": s["itl_p50_ms"], "itl_p50_engine_ms": e["itl_p50_ms"],
+        })
+summary = {"rows": rows}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=2))
+EOF
+echo "rc server=$RC_SERVER engine=$RC_ENGINE"
+[ "$RC_SERVER" = 0 ] && [ "$RC_ENGINE" = 0 ]

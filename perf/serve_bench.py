@@ -1,0 +1,311 @@
+"""Streaming load at fixed concurrency, through tritonserver (gRPC) and through the engine directly.
+
+    .venv/bin/python perf/serve_bench.py --target server --url localhost:8001 \\
+        --concurrency 1,16,64 --prompt-tokens 512 --max-tokens 256 --out server.json
+    .venv/bin/python perf/serve_bench.py --target engine --concurrency 1,16,64 ... --out direct.json
+
+Per concurrency value C, C workers each send `--requests-per-worker` requests one after another
+(so C requests are in flight at a time), after one warm-up request. Every request has the same
+prompt length (random single-token words, checked with the model's tokenizer) and asks for
+exactly `max_tokens` (min_tokens = max_tokens, ignore_eos, greedy), as in perf/sweep.py.
+
+- `server`: tritonclient.grpc, one client and bidirectional stream per worker, to the `llm`
+  model (vllm_backend-style inputs, as client/stream_client.py sends them).
+- `engine`: the same prompts through `AsyncEngine` in this process, configured as the server's
+  model is (model_repository/llm/1/model.json plus LLM_<FIELD> variables), so the two runs can
+  be divided. Run it when no server holds the GPU.
+
+Figures per concurrency (latencies in ms): output tok/s (requests x max_tokens over the span from
+the first send to the last token), TTFT p50/p99 (first token - send), inter-token latency p50/p99
+((last - first token) / (max_tokens - 1), one value per request), end-to-end p50. JSON on
+stdout and in `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_TOKENIZER = REPO / "models" / "smollm2-135m-instruct"
+REQUEST_TIMEOUT_S = 300.0
+MODEL_JSON = REPO / "model_repository" / "llm" / "1" / "model.json"
+
+
+@dataclass
+class Timing:
+    """One request: seconds on one monotonic clock."""
+
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    chunks: int = 0
+    error: str | None = None
+
+
+def single_token_words(tokenizer: Any, limit: int = 2000) -> list[str]:
+    """Lower-case alphabetic words that are one token with a leading space."""
+    words = []
+    for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        if not token.startswith("\u0120"):  # the byte-level BPE space marker
+            continue
+        word = token[1:]
+        if word.isalpha() and word.islower() and 2 <= len(word) <= 8:
+            if len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1:
+                words.append(word)
+        if len(words) >= limit:
+            break
+    return words
+
+
+def make_prompt(tokenizer: Any, words: list[str], n_tokens: int, seed: int) -> str:
+    """Random words whose text tokenizes to exactly `n_tokens` (without special tokens)."""
+    rng = random.Random(seed)
+    text = "".join(" " + rng.choice(words) for _ in range(n_tokens)).strip()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != n_tokens:  # merges across words are rare; cut or pad by decoding ids
+        ids = (ids + ids)[:n_tokens]
+        text = tokenizer.decode(ids)
+    return text
+
+
+def params(max_tokens: int) -> dict[str, Any]:
+    return {
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
+# ---- through tritonserver ---------------------------------------------------------------------
+
+
+def grpc_worker(
+    url: str, model: str, prompts: list[str], max_tokens: int, out: list[Timing]
+) -> None:
+    """Send `prompts` one after another on one stream, recording each one's timing."""
+    import tritonclient.grpc as grpcclient
+
+    from client.stream_client import build_inputs, grpc_inputs
+
+    events: queue.Queue[tuple[float, Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(
+        callback=lambda result, error: events.put((time.perf_counter(), result, error))
+    )
+    try:
+        for prompt in prompts:
+            inputs = grpc_inputs(build_inputs(prompt, params(max_tokens)))
+            t = Timing(sent=time.perf_counter())
+            client.async_stream_infer(
+                model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+            )
+            while True:
+                try:
+                    now, result, error = events.get(timeout=REQUEST_TIMEOUT_S)
+                except queue.Empty:
+                    t.error = f"no response for {REQUEST_TIMEOUT_S} s"
+                    break
+                if error is not None:
+                    t.error = str(error)
+                    break
+                text = result.as_numpy("text_output")
+                if text is not None and text.size and text.reshape(-1)[0]:
+                    t.first = t.first if t.first is not None else now
+                    t.last = now
+                    t.chunks += 1
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            out.append(t)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def run_server_level(
+    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Timing], float, float]:
+    per = len(prompts) // concurrency
+    results: list[list[Timing]] = [[] for _ in range(concurrency)]
+    threads = [
+        threading.Thread(
+            target=grpc_worker,
+            args=(url, model, prompts[i * per : (i + 1) * per], max_tokens, results[i]),
+        )
+        for i in range(concurrency)
+    ]
+    start = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    timings = [t for r in results for t in r]
+    return timings, start, time.perf_counter()
+
+
+# ---- through the engine, in this process ------------------------------------------------------
+
+
+def make_engine() -> Any:
+    from engine.async_engine import AsyncEngine
+    from engine.config import load_engine_config
+
+    config = load_engine_config(MODEL_JSON, REPO, os.environ)
+    return AsyncEngine(config)
+
+
+def run_engine_level(
+    engine: Any, prompts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Timing], float, float]:
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(**params(max_tokens))
+    per = len(prompts) // concurrency
+
+    async def one(prompt: str) -> Timing:
+        t = Timing(sent=time.perf_counter())
+        async for delta in engine.generate(prompt, sp):
+            now = time.perf_counter()
+            if delta.error:
+                t.error = delta.error
+            if delta.token_ids:
+                t.first = t.first if t.first is not None else now
+                t.last = now
+                t.chunks += 1
+        return t
+
+    async def worker(chunk: list[str]) -> list[Timing]:
+        return [await one(p) for p in chunk]
+
+    async def level() -> list[list[Timing]]:
+        chunks = [prompts[i * per : (i + 1) * per] for i in range(concurrency)]
+        return await asyncio.gather(*(worker(c) for c in chunks))
+
+    start = time.perf_counter()
+    results = asyncio.run(level())
+    return [t for r in results for t in r], start, time.perf_counter()
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def summarize(
+    timings: list[Timing], start: float, end: float, concurrency: int, max_tokens: int
+) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None and t.first is not None and t.last is not None]
+    errors = [t.error for t in timings if t.error is not None]
+    span = (max(t.last for t in ok) - start) if ok else end - start  # type: ignore[type-var]
+    ttft = np.array([(t.first - t.sent) * 1e3 for t in ok])  # type: ignore[operator]
+    itl = np.array([(t.last - t.first) * 1e3 / max(max_tokens - 1, 1) for t in ok])  # type: ignore[operator]
+    e2e = np.array([(t.last - t.sent) * 1e3 for t in ok])  # type: ignore[operator]
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return round(float(np.percentile(a, q)), 3) if a.size else None
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(timings),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": len(ok) * max_tokens,
+        "duration_s": round(span, 4),
+        "output_tok_per_s": round(len(ok) * max_tokens / span, 2) if span > 0 else None,
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50),
+        "itl_p99_ms": pct(itl, 99),
+        "e2e_p50_ms": pct(e2e, 50),
+        "chunks_per_request": round(float(np.mean([t.chunks for t in ok])), 2) if ok else None,
+    }
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    words = single_token_words(tokenizer)
+    levels = [int(c) for c in str(args.concurrency).split(",") if c]
+    engine = make_engine() if args.target == "engine" else None
+    run: Callable[[list[str], int], tuple[list[Timing], float, float]]
+    if engine is not None:
+
+        def run(prompts: list[str], c: int) -> tuple[list[Timing], float, float]:
+            return run_engine_level(engine, prompts, c, args.max_tokens)
+    else:
+
+        def run(prompts: list[str], c: int) -> tuple[list[Timing], float, float]:
+            return run_server_level(args.url, args.model, prompts, c, args.max_tokens)
+
+    rows = []
+    seed = args.seed
+    try:
+        warm = [make_prompt(tokenizer, words, args.prompt_tokens, seed)]
+        run(warm, 1)  # compile / graph capture / connection set-up out of the figures
+        for c in levels:
+            n = c * args.requests_per_worker
+            # distinct prompts: no prefix-cache hits between requests of a level or across them
+            prompts = [
+                make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
+            ]
+            seed += n + 1
+            timings, start, end = run(prompts, c)
+            row = summarize(timings, start, end, c, args.max_tokens)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return {
+        "target": args.target,
+        "url": args.url if engine is None else None,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "requests_per_worker": args.requests_per_worker,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("LLM_")},
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--target", choices=("server", "engine"), default="server")
+    ap.add_argument("--url", default="localhost:8001", help="gRPC host:port (server target)")
+    ap.add_argument("--model", default="llm")
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--requests-per-worker", type=int, default=2)
+    ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    res = bench(args)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    bad = sum(r["errors"] for r in res["rows"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

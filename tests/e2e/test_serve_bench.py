@@ -1,0 +1,50 @@
+"""perf/serve_bench.py against the session's real server, at tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from engine.serve import REPO_ROOT, Server
+
+_spec = importlib.util.spec_from_file_location("serve_bench", REPO_ROOT / "perf" / "serve_bench.py")
+assert _spec is not None and _spec.loader is not None
+serve_bench = importlib.util.module_from_spec(_spec)
+sys.modules["serve_bench"] = serve_bench  # dataclasses look their module up by name
+_spec.loader.exec_module(serve_bench)
+
+
+def test_serve_bench_server_target(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "server.json"
+    rc = serve_bench.main(
+        [
+            "--target=server",
+            f"--url={server.grpc_url}",
+            "--concurrency=1,2",
+            "--prompt-tokens=12",
+            "--max-tokens=4",
+            "--requests-per-worker=1",
+            f"--out={out}",
+        ]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["concurrency"] for r in res["rows"]] == [1, 2]
+    for row in res["rows"]:
+        assert row["errors"] == 0
+        assert row["output_tokens"] == row["concurrency"] * 4
+        assert row["output_tok_per_s"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert row["itl_p50_ms"] > 0
+
+
+def test_prompt_has_the_asked_token_count() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(serve_bench.DEFAULT_TOKENIZER))
+    words = serve_bench.single_token_words(tok)
+    for seed in range(3):
+        text = serve_bench.make_prompt(tok, words, 64, seed)
+        assert len(tok.encode(text, add_special_tokens=False)) == 64
