@@ -176,3 +176,21 @@ def test_long_prompt_shares_steps_with_decoding_requests() -> None:
         sched.record_step(out, gpu_s)
     assert sched.prefill_budget() == 512
     sched.check_integrity()
+
+
+def test_scheduled_batch_round_trips_through_bytes() -> None:
+    """What tensor-parallel workers receive each step: the same batch, from one flat buffer."""
+    from engine.scheduler.batch import BatchEntry, ScheduledBatch
+
+    batch = ScheduledBatch(
+        ForwardMode.EXTEND,
+        [
+            BatchEntry(3, [11, 12, 13], 5, [40, 41, 42], prefix_slots=[1, 2, 3, 4, 5]),
+            BatchEntry(0, [7], 0, [9]),
+            BatchEntry(1, [8, 9], 2, [30, 31], prefix_slots=[]),
+        ],
+    )
+    assert ScheduledBatch.from_bytes(batch.to_bytes(all_logits=True)) == (batch, True)
+    decode = ScheduledBatch(ForwardMode.DECODE, [BatchEntry(2, [5], 9, [99])])
+    assert ScheduledBatch.from_bytes(decode.to_bytes()) == (decode, False)
+    assert len(decode.to_bytes()) == 8 * (3 + 4 + 2)

@@ -1,9 +1,10 @@
 """Ranks 1..N-1 of a tensor-parallel model instance, each in its own process.
 
 Rank 0 lives in the engine's process: it runs the scheduler and samples. For every batch it sends
-the tensor-free `ScheduledBatch` to each worker through a pipe, then runs its own share of the
+the tensor-free `ScheduledBatch` to each worker through a pipe, as one flat int64 buffer
+(`ScheduledBatch.to_bytes`: no pickling, a few bytes per token), then runs its own share of the
 forward; the workers run theirs, meeting rank 0 in the same collectives, and drop their copy of
-the logits. A `None` message ends a worker; so does rank 0's pipe closing (rank 0 exited or died),
+the logits. An empty message ends a worker; so does rank 0's pipe closing (rank 0 exited or died),
 and the processes are daemonic, so they never outlive the engine's process.
 
 NOTE: workers are started with the "spawn" method (CUDA cannot be forked), which re-imports the
@@ -100,10 +101,12 @@ class TPWorkers:
             assert kind == expected, (kind, expected)
 
     def send(self, batch: ScheduledBatch, all_logits: bool) -> None:
-        """Hand the next batch to every worker (before rank 0 runs its own share)."""
+        """Hand the next batch to every worker (before rank 0 runs its own share), as one flat
+        buffer (`ScheduledBatch.to_bytes`)."""
+        data = batch.to_bytes(all_logits)
         for w in self.workers:
             try:
-                w.conn.send((batch, all_logits))
+                w.conn.send_bytes(data)
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise WorkerError(f"tensor-parallel worker {w.rank} is gone") from None
 
@@ -114,7 +117,7 @@ class TPWorkers:
         self._closed = True
         for w in self.workers:
             try:
-                w.conn.send(None)
+                w.conn.send_bytes(b"")  # empty: stop
             except OSError:
                 pass
         for w in self.workers:

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -381,11 +381,11 @@ def worker_main(
     conn.send(("ready", None))
     while True:
         try:
-            msg: Any = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:  # rank 0 is gone
             break
-        if msg is None:
+        if not data:  # rank 0's stop message
             break
-        batch, all_logits = msg
+        batch, all_logits = ScheduledBatch.from_bytes(data)
         runner.forward(batch, all_logits)
     parallel.close()

@@ -6,6 +6,7 @@ device tensors; tensor-parallel workers receive the `ScheduledBatch` itself.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from enum import Enum
 
@@ -43,3 +44,38 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.input_ids) for e in self.entries)
+
+    def to_bytes(self, all_logits: bool = False) -> bytes:
+        """The batch as one flat int64 buffer (what rank 0 sends tensor-parallel workers each
+        step: a few bytes per token, no per-request pickling). `from_bytes` reverses it."""
+        buf = array("q", [_MODES.index(self.mode), int(all_logits), len(self.entries)])
+        for e in self.entries:
+            slots = -1 if e.prefix_slots is None else len(e.prefix_slots)
+            buf.extend((e.req_pool_idx, e.prefix_len, len(e.input_ids), slots))
+            buf.extend(e.input_ids)
+            buf.extend(e.out_cache_loc)
+            if e.prefix_slots is not None:
+                buf.extend(e.prefix_slots)
+        return buf.tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> tuple[ScheduledBatch, bool]:
+        """(batch, all_logits) from `to_bytes`."""
+        buf = array("q")
+        buf.frombytes(data)
+        mode, all_logits, count = buf[0], bool(buf[1]), buf[2]
+        entries, i = [], 3
+        for _ in range(count):
+            row, prefix_len, n, slots = buf[i : i + 4]
+            i += 4
+            input_ids, out_cache_loc = buf[i : i + n].tolist(), buf[i + n : i + 2 * n].tolist()
+            i += 2 * n
+            prefix_slots = None
+            if slots >= 0:
+                prefix_slots = buf[i : i + slots].tolist()
+                i += slots
+            entries.append(BatchEntry(row, input_ids, prefix_len, out_cache_loc, prefix_slots))
+        return cls(_MODES[mode], entries), all_logits
+
+
+_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
