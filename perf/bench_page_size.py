@@ -22,6 +22,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +60,7 @@ class Driver:
         self.peak_slots = self.peak_tokens = 0
         self.waste: list[float] = []
 
-    def run(self, first: list[Req], follow_up) -> None:  # type: ignore[no-untyped-def]
+    def run(self, first: list[Req], follow_up: Callable[[Req], Req | None]) -> None:
         sched = self.sched
         for r in first:
             sched.add_request(r)
