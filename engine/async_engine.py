@@ -33,7 +33,9 @@ class AsyncEngine:
         self.config = config
         self.core = EngineCore(config)
         # A text longer than this cannot fit the context, whatever it tokenizes to.
-        self.max_prompt_chars = self.core.max_context_len * max_token_chars(self.core.tokenizer)
+        self.max_prompt_chars = 0  # no tokenizer: text prompts are refused by tokenize()
+        if self.core.tokenizer is not None:
+            self.max_prompt_chars = self.core.max_context_len * max_token_chars(self.core.tokenizer)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -69,12 +71,17 @@ class AsyncEngine:
                 f"max_tokens={params.max_tokens} is above this server's limit of {cap} "
                 "(max_tokens_cap)"
             )
-        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+        if (
+            isinstance(prompt, str)
+            and self.max_prompt_chars
+            and len(prompt) > self.max_prompt_chars
+        ):
             raise ValueError(
                 f"prompt has {len(prompt)} characters; the context limit of "
                 f"{self.max_context_len} tokens holds at most {self.max_prompt_chars}"
             )
         ids = self.core.tokenize(prompt)
+        self.core.check_params(params)
         self._submit(lambda: self._add(request_id, ids, params, callback))
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, callback: Callback) -> None:

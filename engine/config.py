@@ -155,6 +155,9 @@ class EngineConfig:
     seed: int = 0
     disable_radix_cache: bool = False
     max_tokens_cap: int | None = None  # a request asking for more max_tokens is refused
+    # Token ids in and out only (vLLM's skip_tokenizer_init): no tokenizer is loaded, prompts
+    # must be token ids, outputs carry no text, stop strings are refused.
+    skip_tokenizer_init: bool = False
     debug_checks: bool = False  # run the KV-slot integrity check whenever the engine is idle
 
     def __post_init__(self) -> None:

@@ -151,6 +151,20 @@ class IncrementalDetokenizer:
         return s
 
 
+class NoDetokenizer:
+    """What an engine without a tokenizer (`skip_tokenizer_init`) uses: outputs carry token ids
+    and no text, and there are no stop strings."""
+
+    stopped = False
+    stop_str: str | None = None
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 def check_tokenizer_files(model_dir: str | Path) -> None:
     """Raise ValueError when a checkpoint directory (with a config.json) has no tokenizer files,
     before transformers fails on it with a message about its own internals."""

@@ -11,11 +11,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import AutoTokenizer
 
 from engine.config import ConfigError, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, check_tokenizer_files
+from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
 from engine.executor.model_runner import ModelRunner, SampleRequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ Callback = Callable[[RequestOutput], None]
 class _ReqState:
     req: Req
     callback: Callback
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoDetokenizer
     stop_ids: frozenset[int]
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
@@ -40,12 +41,15 @@ class _ReqState:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        try:  # before loading weights: a clear error instead of transformers' after a long load
-            check_tokenizer_files(config.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        if not config.skip_tokenizer_init:
+            try:  # before loading weights: a clear error, not transformers' after a long load
+                check_tokenizer_files(config.model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.runner = ModelRunner(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_config.path)
+        self.tokenizer: Any = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_config.path)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self.scheduler = Scheduler(
             config,
@@ -64,6 +68,11 @@ class EngineCore:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text is encoded as `tokenizer(text)` would), validated."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "the engine runs without a tokenizer (skip_tokenizer_init): send the prompt "
+                    "as token ids"
+                )
             ids = list(self.tokenizer(prompt).input_ids)
         else:
             ids = [int(t) for t in prompt]
@@ -85,6 +94,7 @@ class EngineCore:
     ) -> None:
         if rid in self.states:
             raise ValueError(f"request id {rid!r} is already running")
+        self.check_params(params)
         req = Req(rid=rid, prompt_ids=prompt_ids, params=params, arrival=0)
         self.scheduler.add_request(req)
         stop_ids = set(params.stop_token_ids)
@@ -93,10 +103,25 @@ class EngineCore:
         self.states[rid] = _ReqState(
             req=req,
             callback=callback,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
-            ),
+            detokenizer=self._detokenizer(prompt_ids, params),
             stop_ids=frozenset(stop_ids),
+        )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for settings this engine cannot honour (before anything is queued)."""
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer and the engine runs without one "
+                "(skip_tokenizer_init): use stop_token_ids"
+            )
+
+    def _detokenizer(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer | NoDetokenizer:
+        if self.tokenizer is None:
+            return NoDetokenizer()
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
         )
 
     def abort(self, rid: str) -> None:

@@ -53,6 +53,8 @@ class LLM:
             raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
         # Validate everything before queuing anything.
         token_ids = [self.core.tokenize(p) for p in prompt_list]
+        for p in param_list:
+            self.core.check_params(p)
         results: dict[str, CompletionOutput] = {}
         order: list[str] = []
 

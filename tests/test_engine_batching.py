@@ -311,3 +311,33 @@ def test_paged_pool_matches_page_size_1(
         assert out.cached_tokens % 16 == 0
     assert paged.core.stats().prefix_cache_hit_tokens_total > 0
     _check_idle(paged)
+
+
+def test_token_ids_only_without_a_tokenizer(tiny_llama: str, tmp_path) -> None:
+    """skip_tokenizer_init: a checkpoint with no tokenizer files serves token-id prompts and
+    returns token ids (no text); text prompts and stop strings get clear errors."""
+    from pathlib import Path
+
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(Path(tiny_llama) / name)
+    bare = LLM(str(tmp_path), dtype="float32", max_total_tokens=512, skip_tokenizer_init=True)
+    full = LLM(tiny_llama, dtype="float32", max_total_tokens=512)
+    prompts = [[5, 6, 7, 8], [300, 301]]
+    outs = bare.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in full.generate(prompts, GREEDY)]
+    assert all(o.text == "" and len(o.token_ids) == 12 for o in outs)
+    with pytest.raises(ValueError, match="send the prompt as token ids"):
+        bare.generate(["Hello"], GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        bare.generate([[5, 6]], SamplingParams(max_tokens=4, stop=["x"]))
+    assert not bare.core.has_work()
+    engine = AsyncEngine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", max_total_tokens=512, skip_tokenizer_init=True
+        )
+    )
+    try:
+        with pytest.raises(ValueError, match="token ids"):
+            engine.add_request("t", "Hello", GREEDY, lambda d: None)
+    finally:
+        engine.shutdown()
