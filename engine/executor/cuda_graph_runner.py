@@ -89,14 +89,12 @@ class CudaGraphRunner:
                 self._capture(bs)
             except Exception as e:
                 raise RuntimeError(f"capturing the decode graph of batch size {bs}: {e}") from e
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = free_before - torch.cuda.mem_get_info(dev)[0]
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %s in %.1f s, using %.2f GiB",
             len(self.capture_sizes),
             self.capture_sizes,
-            self.capture_seconds,
-            self.capture_bytes / 2**30,
+            time.perf_counter() - t0,
+            (free_before - torch.cuda.mem_get_info(dev)[0]) / 2**30,
         )
 
     def _static_batch(self, bs: int) -> ForwardBatch:

@@ -28,7 +28,13 @@ from engine.executor.loader import load_weights
 from engine.forward_batch import ForwardBatch, ForwardContext
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
-from engine.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo, make_generator
+from engine.layers.sampler import (
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    argmax_suffices,
+    make_generator,
+)
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
 from engine.sampling_params import SamplingParams
@@ -337,7 +343,7 @@ class ModelRunner:
         self._generators.pop(rid, None)
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
-        if all(_plain_greedy(r) for r in requests):  # no per-request tensors to build
+        if all(argmax_suffices(r.params, r.suppressed_ids) for r in requests):
             return SampleOutput(torch.argmax(logits, dim=-1), None)
         generators: list[torch.Generator | None] = []
         for r in requests:
@@ -354,11 +360,6 @@ class ModelRunner:
         )
         history = [r.history for r in requests] if info.penalized_rows else None
         return self.sampler(logits, info, history)
-
-
-def _plain_greedy(r: SampleRequest) -> bool:
-    p = r.params
-    return p.is_greedy and p.repetition_penalty == 1.0 and not p.logprobs and not r.suppressed_ids
 
 
 def worker_main(

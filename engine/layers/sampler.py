@@ -28,6 +28,18 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
+def argmax_suffices(params: SamplingParams, suppressed_token_ids: list[int]) -> bool:
+    """True when `Sampler` picks exactly `argmax` of this row's logits: greedy, no repetition
+    penalty, no logprobs asked, nothing suppressed. A batch of such rows needs no
+    `SamplingBatchInfo` at all."""
+    return (
+        params.is_greedy
+        and params.repetition_penalty == 1.0
+        and not params.logprobs
+        and not suppressed_token_ids
+    )
+
+
 class SampleOutput(NamedTuple):
     next_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32; None unless some request asked for logprobs
