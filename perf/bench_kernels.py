@@ -418,9 +418,79 @@ def bench_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
     return header + "\n" + "\n".join(rows)
 
 
+def _moe_tune_grid(block_m: int) -> list[tuple[int, int, int, int]]:
+    """(block_n, block_k, warps, stages) to try at a BLOCK_M: narrow tiles with deep pipelines
+    for decode (weight streaming), wide tiles for prefill (compute)."""
+    if block_m <= 16:
+        return [(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4, 5)]
+    if block_m <= 32:
+        return [(n, k, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
+    return [(n, 64, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
+
+
+def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> None:
+    """Sweep the fused MoE's tiles per GEMM (gate/up, down) on V2-Lite's shape with its two
+    shared-expert slots, as the engine runs it; print the best per token count with its share
+    of the weight-bytes bound (decode) and its TFLOP/s (prefill)."""
+    from engine.kernels.fused_moe import MoEConfig, SharedExperts, _moe_gemm, moe_align_block_size
+
+    e, k, h, i, slots = 64, 6, 2048, 1408, 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=g) / i**0.5
+    shared = SharedExperts(
+        torch.randn(2 * slots * i, h, device="cuda", dtype=torch.bfloat16, generator=g) / h**0.5,
+        torch.randn(h, slots * i, device="cuda", dtype=torch.bfloat16, generator=g) / i**0.5,
+    )
+    for t in args.moe_tokens:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, e, device="cuda", generator=g)
+        topk_w, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        extra = torch.arange(e, e + slots, device="cuda").expand(t, slots)
+        ids = torch.cat([topk_ids, extra], 1)
+        w = torch.cat([topk_w, torch.ones(t, slots, device="cuda")], 1).reshape(-1)
+        touched = int(torch.unique(topk_ids).numel()) + slots
+        flops_up, flops_down = 2 * t * (k + slots) * h * 2 * i, 2 * t * (k + slots) * h * i
+        block_ms = (16,) if t <= 64 else (16, 32, 64) if t <= 512 else (64, 128)
+        for gemm in ("up", "down"):
+            n, nbytes, flops = (i, 2, flops_up) if gemm == "up" else (h, 1, flops_down)
+            nbytes = touched * nbytes * i * h * 2
+            bound = nbytes / (copy_gbs * 1e9)
+            results = []
+            for bm in block_ms:
+                align = moe_align_block_size(ids, e + slots, bm)
+                act = x.new_empty((t * (k + slots), i))
+                out = x.new_empty((t * (k + slots), h))
+                for bn, bk, warps, stages in _moe_tune_grid(bm):
+                    cfg = MoEConfig(bm, bn, bk, warps, stages)
+                    if gemm == "up":
+                        fn = functools.partial(_moe_gemm, x, w13, act, w, align, k + slots, i,
+                                               True, True, False, cfg, shared.gate_up)  # fmt: skip
+                    else:
+                        fn = functools.partial(_moe_gemm, act, w2, out, w, align, k + slots, h,
+                                               False, False, True, cfg, shared.down)  # fmt: skip
+                    try:
+                        secs = time_graph(fn, args.calls, 3)
+                    except Exception as exc:  # noqa: BLE001 (out of shared memory etc.)
+                        print(f"  skip {gemm} {cfg}: {type(exc).__name__}", flush=True)
+                        continue
+                    results.append((secs, cfg))
+                    log.append({"tune_moe": gemm, "tokens": t, "cfg": list(cfg), "t": secs})
+            results.sort(key=lambda r: r[0])
+            top = ", ".join(
+                f"{s * 1e6:.1f}us {tuple(c)} ({100 * bound / s:.0f}% bw, {flops / s / 1e12:.0f} TF)"
+                for s, c in results[:4]
+            )
+            print(f"TUNE_MOE t={t} {gemm} (n={n}): {top}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tune", action="store_true", help="sweep MLA configs instead of the table")
+    ap.add_argument("--tune-moe", action="store_true", help="sweep fused MoE tiles per GEMM")
+    ap.add_argument(
+        "--moe-tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256, 512, 2048, 8192]
+    )
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
@@ -438,11 +508,13 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", flush=True)
     tables = [f"copy bandwidth: {copy_gbs:.0f} GB/s"]
-    if args.tune:
+    if args.tune_moe:
+        tune_moe(args, copy_gbs, log)
+    elif args.tune:
         tune_mla(args, log)
     elif not args.no_mla:
         tables.append(bench_mla(args, copy_gbs, log))
-    if not args.no_moe and not args.tune:
+    if not args.no_moe and not args.tune and not args.tune_moe:
         tables.append(bench_moe(args, copy_gbs, log))
     print(f"\ntotal {time.time() - t0:.0f} s\n")
     print("\n\n".join(tables))
