@@ -367,7 +367,7 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
     walls = [r.seconds for r in records if not r.profiled and r.decode]
     wall_ms = 1e3 * statistics.median(walls) if walls else None
     gpu_ms = gpu_us / 1e3 / steps if gpu else None
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
     return dict(
         steps=steps,
         all_decode=all(r.decode for r in records if r.profiled),
@@ -497,11 +497,12 @@ class Bench:
         timer = StepTimer(llm.core, self.device)
         warm, count = 3, self.args.profile_steps
         timer.profile(warm, count, n)
-        # The first requests decode between the prefill chunks of the others: they are that many
-        # tokens ahead when all n decode, and must not finish inside the window.
+        # The first requests decode between the prefill steps of the others (the scheduler
+        # alternates them, and a time budget may cut a chunk short): they are that many tokens
+        # ahead when all n decode, and must not finish inside the window.
         chunks = -(-n * self.args.prompt_len // llm.config.chunked_prefill_size)
         try:
-            self.generate(llm, n, warm + count + chunks + 3)
+            self.generate(llm, n, warm + count + 4 * chunks + 64)
         finally:
             timer.close()
             if timer._profiled_left > 0:  # the run ended inside the window

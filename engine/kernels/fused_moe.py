@@ -32,21 +32,34 @@ class MoEConfig(NamedTuple):
     num_stages: int
 
 
-def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> MoEConfig:
-    """Tiles by load: few (token, expert) pairs per expert -> small BLOCK_M (decode).
+class MoETiles(NamedTuple):
+    """One config per grouped GEMM; both share BLOCK_M (the alignment's block)."""
+
+    up: MoEConfig  # gate/up: N = 2 x intermediate (two accumulators), K = hidden
+    down: MoEConfig  # down: N = hidden, K = intermediate
+
+
+def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) -> MoETiles:
+    """Tiles by load, from `perf/bench_kernels.py --tune-moe` on an H200 (V2-Lite's shape):
+    few (token, expert) pairs per expert (decode) stream the weights with narrow tiles and deep
+    pipelines (80-100% of the copy bandwidth); many (prefill) use 128-row tiles on the tensor
+    cores (about 450 TFLOP/s at 2,048 and 8,192 tokens, 1.3-1.5x the 64-row tiles).
 
     The tiles are sized for 16-bit weights; fp32 halves BLOCK_K to stay in shared memory.
     """
     if is_interpreter():
-        return MoEConfig(16, 32, 32, 4, 1)
+        cfg = MoEConfig(16, 32, 32, 4, 1)
+        return MoETiles(cfg, cfg)
     per_expert = num_pairs / max(num_experts, 1)
     if per_expert <= 16:
-        cfg = MoEConfig(16, 64, 128, 4, 4)
-    elif per_expert <= 64:
-        cfg = MoEConfig(32, 64, 128, 4, 4)
+        tiles = MoETiles(MoEConfig(16, 32, 128, 4, 4), MoEConfig(16, 64, 128, 4, 4))
+    elif per_expert <= 128:
+        tiles = MoETiles(MoEConfig(64, 64, 64, 4, 3), MoEConfig(64, 128, 64, 8, 4))
     else:
-        cfg = MoEConfig(64, 128, 64, 8, 3)
-    return cfg._replace(block_k=cfg.block_k * 2 // max(elem_bytes, 2))
+        tiles = MoETiles(MoEConfig(128, 128, 64, 8, 4), MoEConfig(128, 256, 64, 8, 4))
+    if elem_bytes > 2:  # fp32: half the K tile
+        return MoETiles(*(c._replace(block_k=c.block_k // 2) for c in tiles))
+    return tiles
 
 
 @triton.jit
@@ -275,7 +288,7 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoEConfig | None = None,
+    config: MoETiles | None = None,
     shared_output: torch.Tensor | None = None,
     shared_experts: SharedExperts | None = None,
 ) -> torch.Tensor:
@@ -295,14 +308,17 @@ def fused_moe(
         slots = shared_expert_slots(shared_experts, inter)
         assert slots > 0 and gate_up.shape == (2 * slots * inter, hidden_size)
         num_experts += slots
-    cfg = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
-    align = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
+    tiles = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
+    assert tiles.up.block_m == tiles.down.block_m
+    align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))
     s13 = s2 = None
     if shared_experts is not None:
         s13, s2 = shared_experts
-    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, cfg, s13)
+    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up, s13)
     down_out = hidden.new_empty((num_tokens * top_k, hidden_size))
-    _moe_gemm(act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, cfg, s2)
+    _moe_gemm(
+        act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, tiles.down, s2
+    )
     return _moe_sum(down_out.view(num_tokens, top_k, hidden_size), shared_output)

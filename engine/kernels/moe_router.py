@@ -12,8 +12,10 @@ by `scale` (the routed scaling factor; the caller passes 1.0 where the model doe
 
 One program routes BLOCK_T tokens over all experts (BLOCK_E >= E columns). The gate GEMM (fp32
 accumulation, as the reference's float32 F.linear) is folded into the program when the gate
-weight is small (V2-Lite: 64 x 2048); a bigger one (V3: 256 x 7168) gets its own GEMM kernel over
-(token, expert) tiles first, so that one program does not stream megabytes alone. No top-k sort
+weight is small (V2-Lite: 64 x 2048) and the tokens many (prefill); otherwise it gets its own
+kernel over (token, expert, H-split) tiles first, so that one program does not stream the whole
+weight alone (at one token that took 15 us a layer), and the router sums the partial logits in a
+fixed order. No top-k sort
 and no host sync: the top-k is k rounds of arg-max over the row (ties go to the lower id).
 Returns float32 weights and int32 ids [T, k], the fused MoE kernel's inputs.
 """
@@ -28,8 +30,12 @@ import triton.language as tl
 
 from engine.kernels.utils import INTERPRET_UPCAST, dot
 
-# Gate weights up to this size are streamed by the router program itself.
+# Gate weights up to this size are streamed by the router program itself when there are enough
+# tokens to give many programs; otherwise the gate GEMM runs first over (token, expert, H-split)
+# tiles and the router sums the splits' partial logits.
 FUSE_GATE_MAX_BYTES = 512 * 1024
+FUSE_GATE_MIN_TOKENS = 1024
+GATE_BLOCK_T, GATE_BLOCK_E, GATE_BLOCK_H = 16, 16, 128
 
 
 class RouterOutput(NamedTuple):
@@ -61,18 +67,21 @@ def _gate_tile(x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride
 
 @triton.jit
 def _gate_logits_kernel(
-    x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [T, E] fp32
-    T, E, H, stride_x, stride_w, stride_l,
+    x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [S, T, E] fp32 (S: splits of H)
+    T, E, H, h_split, stride_x, stride_w, stride_l, stride_s,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    """Program (t, e, s): the logits of a token tile and an expert tile over split s of H."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    h0 = tl.program_id(2) * h_split
     mask_t, mask_e = offs_t < T, offs_e < E
     acc = _gate_tile(
-        x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
-        BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
+        x_ptr + h0, w_ptr + h0, offs_t, mask_t, offs_e, mask_e, tl.minimum(h_split, H - h0),
+        stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
     )  # fmt: skip
-    l_ptrs = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
+    l_ptrs = logits_ptr + tl.program_id(2).to(tl.int64) * stride_s
+    l_ptrs += offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
     tl.store(l_ptrs, acc, mask=mask_t[:, None] & mask_e[None, :])
 
 
@@ -86,14 +95,14 @@ def _argmax(vals, offs, BIG: tl.constexpr):
 
 @triton.jit
 def _moe_router_kernel(
-    x_ptr,  # [T, H] (FUSE_GATE) or fp32 logits [T, E]
+    x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [NUM_SPLITS, T, E], summed here
     w_ptr,  # [E, H] gate weight (FUSE_GATE)
     bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
     topk_w_ptr,  # [T, TOP_K + NUM_SHARED] fp32
     topk_ids_ptr,  # [T, TOP_K + NUM_SHARED] int32
-    T, E, H, stride_x, stride_w, group_size, scale,
-    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
+    T, E, H, stride_x, stride_w, stride_s, group_size, scale,
+    NUM_SPLITS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -108,7 +117,10 @@ def _moe_router_kernel(
         )  # fmt: skip
     else:
         l_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_e[None, :]
-        logits = tl.load(l_ptrs, mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for split in tl.static_range(NUM_SPLITS):  # in order: the sum does not vary by run
+            logits += tl.load(l_ptrs + split * stride_s, mask=mask_t[:, None] & mask_e[None, :],
+                              other=0.0)  # fmt: skip
     neg_inf = float("-inf")
     valid = mask_e[None, :] & (offs_t[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     if SIGMOID:
@@ -174,21 +186,35 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] @ weight [E, H]^T -> [T, E] float32 (fp32 accumulation, 16-bit tensor cores
-    when x and weight share a 16-bit dtype)."""
+def gate_logit_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
+    """Splits of H for the gate GEMM: enough programs to stream the gate weight from many SMs
+    when there are few tokens (a decode step), one split when the token tiles fill the GPU."""
+    tiles = triton.cdiv(num_tokens, GATE_BLOCK_T) * triton.cdiv(num_experts, GATE_BLOCK_E)
+    return max(1, min(16, hidden // 256, 128 // tiles))
+
+
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch.Tensor:
+    """x [T, H] @ weight [E, H]^T -> [splits, T, E] float32 partial sums over `splits` slices
+    of H (fp32 accumulation, 16-bit tensor cores when x and weight share a 16-bit dtype)."""
     x, weight = _rows(x), _rows(weight)
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
-    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return logits
-    block_t, block_e = 16, 32
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
+    h_split = triton.cdiv(triton.cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
+    splits_used = triton.cdiv(hidden, h_split)
+    if splits_used < splits:  # rounding left the last splits empty: they hold zeros
+        logits[splits_used:].zero_()
+    grid = (
+        triton.cdiv(num_tokens, GATE_BLOCK_T),
+        triton.cdiv(num_experts, GATE_BLOCK_E),
+        splits_used,
+    )
     _gate_logits_kernel[grid](
-        x, weight, logits, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0),
-        logits.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=128,
-        UPCAST=INTERPRET_UPCAST, num_warps=4,
+        x, weight, logits, num_tokens, num_experts, hidden, h_split, x.stride(0),
+        weight.stride(0), logits.stride(1), logits.stride(0), BLOCK_T=GATE_BLOCK_T,
+        BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H, UPCAST=INTERPRET_UPCAST, num_warps=4,
     )  # fmt: skip
     return logits
 
@@ -224,19 +250,22 @@ def moe_router(
     if num_tokens == 0:
         return RouterOutput(topk_weights, topk_ids)
     if fuse_gate is None:
-        fuse_gate = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
+        small = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
+        fuse_gate = small and num_tokens >= FUSE_GATE_MIN_TOKENS
     if fuse_gate:
-        src, weight = _rows(x), _rows(weight)
+        src, weight, splits = _rows(x), _rows(weight), 1
     else:
-        src = gate_logits(x, weight)
+        splits = gate_logit_splits(num_tokens, num_experts, hidden)
+        src = gate_logits(x, weight, splits)
     block_e = max(16, triton.next_power_of_2(num_experts))
     block_t = 16
     _moe_router_kernel[(triton.cdiv(num_tokens, block_t),)](
         src, weight, correction_bias if correction_bias is not None else topk_weights,
         topk_weights, topk_ids,
-        num_tokens, num_experts, hidden, src.stride(0), weight.stride(0),
-        num_experts // num_groups, float(scale),
-        TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups, TOPK_GROUP=topk_group,
+        num_tokens, num_experts, hidden, src.stride(-2), weight.stride(0),
+        src.stride(0) if splits > 1 else 0, num_experts // num_groups, float(scale),
+        NUM_SPLITS=splits, TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups,
+        TOPK_GROUP=topk_group,
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, triton.next_power_of_2(num_groups)),

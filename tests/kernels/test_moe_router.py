@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.moe_router import gate_logits, moe_router
+from engine.kernels.moe_router import gate_logit_splits, gate_logits, moe_router
 from engine.kernels.reference import moe_router_ref
 
 # name: (experts, top_k, options); V2-Lite is plain top-6 of 64 softmax scores, V3 grouped
@@ -60,13 +60,27 @@ def test_router_single_token_and_empty(device: torch.device) -> None:
     assert empty.topk_ids.shape == (0, 6)
 
 
-def test_gate_logits(device: torch.device) -> None:
+@pytest.mark.parametrize("splits", [1, 3, 4])
+def test_gate_logits(splits: int, device: torch.device) -> None:
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(21, 80, generator=g).to(torch.bfloat16).to(device)
-    w = torch.randn(40, 80, generator=g).to(torch.bfloat16).to(device)
-    out = gate_logits(x, w)
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=1e-5, atol=1e-4)
+    x = torch.randn(21, 300, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(40, 300, generator=g).to(torch.bfloat16).to(device)
+    out = gate_logits(x, w, splits)  # H 300 in slices of 128: a 4th split is empty (zeros)
+    assert out.dtype == torch.float32 and out.shape == (splits, 21, 40)
+    torch.testing.assert_close(out.sum(0), x.float() @ w.float().t(), rtol=1e-5, atol=1e-3)
+
+
+def test_router_sums_the_split_gate_logits(device: torch.device) -> None:
+    """A decode-sized batch over a wide hidden size: the gate runs in H splits (2 here)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 600, generator=g).to(device)
+    w = torch.randn(24, 600, generator=g).to(device)
+    assert gate_logit_splits(3, 24, 600) == 2
+    out = moe_router(x, w, 4, renormalize=True)
+    ref_w, ref_ids = moe_router_ref(x, w, 4, renormalize=True)
+    got, ref = _sorted(out.topk_weights, out.topk_ids), _sorted(ref_w, ref_ids)
+    assert torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
 
 
 def test_router_appends_the_shared_experts(device: torch.device) -> None:
