@@ -3,6 +3,14 @@
 `EngineCore.step()` is driven by the caller's thread in `LLM` and by a background thread in
 `AsyncEngine`; both use this one implementation. Only the driving thread may call its methods
 other than the read-only properties.
+
+The overlap schedule (`enable_overlap`, SGLang's zero-overhead scheduler in a light form): step
+n+1 is scheduled and queued on the device before the tokens of step n are processed, so the
+host detokenizes, checks stop conditions and streams step n while the device runs step n+1.
+A decode input whose token is still on the device is a placeholder that the model runner reads
+from step n's sampled ids. A request that step n finishes has a row in step n+1 too: its token
+there is dropped, and so is the KV slot that step writes (`Scheduler.finish`), so outputs and the
+prefix cache are the same as without overlap.
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ from transformers import AutoTokenizer
 
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
-from engine.executor.model_runner import ModelRunner, SampleRequest
+from engine.executor.model_runner import LaunchedStep, ModelRunner, SampleRequest
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Req
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import ScheduleOutput, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,17 @@ class _ReqState:
     stop_ids: frozenset[int]
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
+
+
+@dataclass
+class _Launched:
+    """A batch queued on the device whose sampled tokens are not processed yet."""
+
+    out: ScheduleOutput
+    step: LaunchedStep
+    # The next batch cannot be scheduled before these tokens are known: a repetition penalty
+    # reads the whole history of its request on the host.
+    blocks_scheduling: bool
 
 
 class EngineCore:
@@ -59,6 +78,21 @@ class EngineCore:
         )
         self.states: dict[str, _ReqState] = {}
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.overlap = self._use_overlap()
+        self._launched: _Launched | None = None  # the overlap schedule's batch in flight
+        self.last_wait_s = 0.0  # seconds the last step() waited for the device (benchmarks)
+
+    def _use_overlap(self) -> bool:
+        """`enable_overlap`; None (auto) means on a GPU. NOTE: not with tensor parallelism: the
+        workers embed the input ids themselves, and only rank 0 holds the sampled ids that a
+        placeholder stands for."""
+        enabled = self.config.enable_overlap
+        if enabled is None:
+            enabled = self.runner.device.type == "cuda"
+        if enabled and self.config.tp_size > 1:
+            logger.info("overlap schedule off: not supported with tp_size > 1")
+            return False
+        return enabled
 
     # ---- inputs ------------------------------------------------------------------------------
     @property
@@ -130,28 +164,51 @@ class EngineCore:
             self._finish(state, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     # ---- the loop body -----------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one batch. Returns False when there was nothing to run."""
+        """Schedule and launch one batch, and process the tokens of the batch launched before
+        it (overlap) or of this one (no overlap). Returns False when there was nothing to do."""
+        self.last_wait_s = 0.0
+        previous, self._launched = self._launched, None
+        if previous is not None and previous.blocks_scheduling:
+            self._process(previous)
         out = self.scheduler.schedule()
-        if out is None:
-            return False
-        requests = [self._sample_request(out.reqs[i]) for i in out.sample_rows]
+        if out is not None:
+            self._launched = self._launch(out)
+        if previous is not None and not previous.blocks_scheduling:
+            self._process(previous)  # the device runs the batch just launched meanwhile
+        if self._launched is not None and not self.overlap:
+            launched, self._launched = self._launched, None
+            self._process(launched)
+        if self.config.debug_checks and not self.has_work():
+            self.scheduler.check_integrity()
+        return out is not None or previous is not None
+
+    def _launch(self, out: ScheduleOutput) -> _Launched:
+        sampled = [out.reqs[i] for i in out.sample_rows]
+        requests = [self._sample_request(req) for req in sampled]
+        step = self.runner.launch(out.batch, out.sample_rows, requests)
+        self.scheduler.on_batch_launched(out)
+        blocks = any(req.params.repetition_penalty != 1.0 for req in sampled)
+        return _Launched(out, step, blocks)
+
+    def _process(self, launched: _Launched) -> None:
+        """Wait for a launched batch's tokens, then record, detokenize and stream them."""
         t0 = time.perf_counter()
-        sampled = self.runner.forward_and_sample(out.batch, out.sample_rows, requests)
-        self.scheduler.record_step(out, time.perf_counter() - t0)  # ends with a device sync
+        sampled = launched.step.result()
+        self.last_wait_s += time.perf_counter() - t0
+        out = launched.out
+        self.scheduler.record_step(out, sampled.seconds)
         next_ids = dict(zip(out.sample_rows, sampled.next_token_ids, strict=True))
         logprobs: dict[int, float] = {}
         if sampled.logprobs is not None:
             logprobs = dict(zip(out.sample_rows, sampled.logprobs, strict=True))
         row_of = {id(req): row for row, req in enumerate(out.reqs)}
-        for req in self.scheduler.process_batch(out, next_ids):
-            self._on_token(self.states[req.rid], logprobs.get(row_of[id(req)]))
-        if self.config.debug_checks and not self.scheduler.has_work():
-            self.scheduler.check_integrity()
-        return True
+        for req in self.scheduler.resolve_tokens(out, next_ids):
+            row = row_of[id(req)]
+            self._on_token(self.states[req.rid], next_ids[row], logprobs.get(row))
 
     def _sample_request(self, req: Req) -> SampleRequest:
         st = self.states[req.rid]
@@ -165,13 +222,12 @@ class EngineCore:
             sorted(st.stop_ids) if below_min else [],
         )
 
-    def _on_token(self, state: _ReqState, logprob: float | None) -> None:
+    def _on_token(self, state: _ReqState, token: int, logprob: float | None) -> None:
         req, params = state.req, state.req.params
-        token = req.output_ids[-1]
         delta = RequestOutput(request_id=req.rid, token_ids=[token])
         if logprob is not None and params.logprobs:
             delta.logprobs = [logprob]
-        if logprob is not None:
+        if logprob is not None and params.logprobs:  # other rows' values depend on the batch
             state.cumulative_logprob += logprob
         state.pending = delta
         if token in state.stop_ids:
@@ -180,7 +236,7 @@ class EngineCore:
         delta.text = state.detokenizer.add(token)
         if state.detokenizer.stopped:
             self._finish(state, "stop")
-        elif len(req.output_ids) >= params.max_tokens or len(req.all_ids) >= self.max_context_len:
+        elif req.reaches_length_limit(req.num_known_outputs, self.max_context_len):
             self._finish(state, "length")
         else:
             self._emit(state, delta)
@@ -201,7 +257,7 @@ class EngineCore:
     def _emit(self, state: _ReqState, delta: RequestOutput) -> None:
         req = state.req
         delta.num_prompt_tokens = len(req.prompt_ids)
-        delta.num_output_tokens = len(req.output_ids)
+        delta.num_output_tokens = req.num_known_outputs
         delta.cached_tokens = req.cached_tokens
         delta.cumulative_logprob = state.cumulative_logprob
         state.pending = None
@@ -216,6 +272,7 @@ class EngineCore:
 
     def fail_all(self, error: str) -> None:
         """End every request with an error (the loop hit an exception it cannot recover from)."""
+        self._launched = None
         for state in list(self.states.values()):
             state.pending = RequestOutput(request_id=state.req.rid, error=error)
             self._finish(state, "abort", keep_kv=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from engine.layers.sampler import (
     Sampler,
     SamplingBatchInfo,
     argmax_suffices,
+    host_to_device,
     make_generator,
 )
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
@@ -99,6 +101,51 @@ class SampleRequest:
 class StepOutput(NamedTuple):
     next_token_ids: list[int]  # one per sampled row
     logprobs: list[float] | None  # raw logprob of each chosen token, when any row asked
+    seconds: float = 0.0  # device time of the step (wall time on a CPU)
+
+
+class LaunchedStep:
+    """A step queued on the device (SGLang's overlap schedule, in its light form).
+
+    Its sampled ids (and logprobs) travel to pinned host memory in a non-blocking copy that an
+    event follows; `result()` waits for that event, the step's one synchronization. On a CPU
+    the step has run by the time it is launched and `result()` only converts.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        next_ids: torch.Tensor | None,
+        logprobs: torch.Tensor | None,
+        started: torch.cuda.Event | None,
+        t0: float,
+    ) -> None:
+        self._ids = _to_host(next_ids)
+        self._logprobs = _to_host(logprobs)
+        self._started = started
+        self._done: torch.cuda.Event | None = None
+        if started is not None:
+            self._done = torch.cuda.Event(enable_timing=True)
+            self._done.record(torch.cuda.current_stream(device))
+        self._wall_s = time.perf_counter() - t0
+
+    def result(self) -> StepOutput:
+        """The sampled ids, once the device has produced and copied them."""
+        seconds = self._wall_s
+        if self._done is not None and self._started is not None:
+            self._done.synchronize()
+            seconds = self._started.elapsed_time(self._done) / 1e3
+        ids = [] if self._ids is None else self._ids.tolist()
+        logprobs = None if self._logprobs is None else self._logprobs.tolist()
+        return StepOutput(ids, logprobs, seconds)
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` on the host: a non-blocking copy into pinned memory from a GPU."""
+    if t is None or t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -128,6 +175,9 @@ class ModelRunner:
         self.parallel = parallel or ParallelState()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' own generators
+        # The ids sampled by the latest launched step, on the device: placeholder input ids of
+        # the next step are read from here (`_resolve_placeholders`).
+        self._last_sampled: torch.Tensor | None = None
         try:
             with DEVICE_LOCK:  # seeds, builds and captures: no other engine's step meanwhile
                 self._init_model_and_memory()
@@ -285,6 +335,8 @@ class ModelRunner:
             host = host.pin_memory()
         packed = host.to(self.device, non_blocking=True).split([len(f) for f in fields])
         ids, pos, out_loc, req_rows, lens, ext_lens, t_rows, t_cols, t_vals = packed
+        if input_ids and min(input_ids) < 0:
+            ids = self._resolve_placeholders(ids)
         self.req_to_token[t_rows, t_cols] = t_vals.to(torch.int32)
         fb = ForwardBatch.build(
             batch.mode,
@@ -318,25 +370,45 @@ class ModelRunner:
                 hidden = hidden[fb.extend_lens.cumsum(0) - 1]  # each request's last token
             return self.model.compute_logits(hidden)
 
+    def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input id -(k + 1) is the k-th token sampled by the latest launched step, whose value
+        the host does not know yet (the overlap schedule): read it on the device."""
+        if self.workers is not None:
+            raise RuntimeError("placeholder input ids with tensor parallelism (workers embed)")
+        assert self._last_sampled is not None, "a placeholder input id, but no sampled step"
+        future = self._last_sampled[(-ids - 1).clamp_min(0)]
+        return torch.where(ids < 0, future, ids)
+
     @torch.inference_mode()
+    def launch(
+        self, batch: ScheduledBatch, sample_rows: list[int], requests: list[SampleRequest]
+    ) -> LaunchedStep:
+        """Queue the batch and the drawing of the next token of the rows in `sample_rows` (a
+        prefill chunk that does not end its prompt samples nothing) on the device, and return
+        without waiting for them; `requests[i]` describes row `sample_rows[i]`. The batch may
+        hold placeholders for the tokens of the step launched before it."""
+        with DEVICE_LOCK:
+            t0 = time.perf_counter()
+            started = None
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(torch.cuda.current_stream(self.device))
+            logits = self.forward(batch)
+            next_ids = logprobs = None
+            if sample_rows:
+                if sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
+                    rows = host_to_device(sample_rows, torch.int64, logits.device)
+                    logits = logits[rows]
+                chosen = self._sample(logits, requests)
+                next_ids, logprobs = chosen.next_token_ids, chosen.logprobs
+            self._last_sampled = next_ids
+            return LaunchedStep(self.device, next_ids, logprobs, started, t0)
+
     def forward_and_sample(
         self, batch: ScheduledBatch, sample_rows: list[int], requests: list[SampleRequest]
     ) -> StepOutput:
-        """Run the batch and draw the next token of the rows in `sample_rows` (a prefill chunk
-        that does not end its prompt samples nothing); `requests[i]` describes row
-        `sample_rows[i]`. One device-to-host copy for the whole batch; returns once the device
-        has finished the step."""
-        with DEVICE_LOCK:
-            logits = self.forward(batch)
-            if not sample_rows:
-                if self.device.type == "cuda":  # the scheduler times steps (record_step)
-                    torch.cuda.current_stream(self.device).synchronize()
-                return StepOutput([], None)
-            if sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
-                logits = logits[torch.tensor(sample_rows, device=logits.device)]
-            chosen = self._sample(logits, requests)
-            logprobs = None if chosen.logprobs is None else chosen.logprobs.tolist()
-            return StepOutput(chosen.next_token_ids.tolist(), logprobs)
+        """`launch`, then wait for its result."""
+        return self.launch(batch, sample_rows, requests).result()
 
     def release_request(self, rid: str) -> None:
         """Forget a finished request's sampling state (its seeded generator)."""

@@ -21,6 +21,16 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of `values` on `device`. To a GPU through pinned memory without blocking:
+    `torch.tensor(values, device=gpu)` waits for all queued work, which would stall the
+    overlap schedule (the host preparing step n+1 while the GPU runs step n)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator for one seeded request, on the device its draws will happen on."""
     gen = torch.Generator(device=device)
@@ -97,22 +107,26 @@ class SamplingBatchInfo:
                 )
             pairs = [(r, t) for r, ids in enumerate(suppressed_token_ids) for t in ids]
             if pairs:
-                both = torch.tensor(pairs, dtype=torch.int64, device=dev)
+                both = host_to_device(pairs, torch.int64, dev)
                 suppressed = (both[:, 0], both[:, 1])
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev)
-
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        # One copy for the float fields, one for the integer ones.
+        floats = [temps, [p.top_p for p in params], [p.min_p for p in params]]
+        floats.append([p.repetition_penalty for p in params])
+        temperatures, top_ps, min_ps, penalties = host_to_device(floats, torch.float32, dev)
+        top_ks, is_greedy = host_to_device(
+            [[p.top_k for p in params], [int(g) for g in greedy]], torch.int64, dev
+        )
         return cls(
-            temperatures=f32(temps).view(-1, 1),
-            top_ps=f32([p.top_p for p in params]),
-            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-            min_ps=f32([p.min_p for p in params]),
-            repetition_penalties=f32([p.repetition_penalty for p in params]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            temperatures=temperatures.view(-1, 1),
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            repetition_penalties=penalties,
+            is_greedy=is_greedy.bool(),
             generators=list(generators),
             greedy_rows=[i for i, g in enumerate(greedy) if g],
             sampled_rows=[i for i, g in enumerate(greedy) if not g],
@@ -149,8 +163,7 @@ def apply_repetition_penalty(
         tok_idx.extend(toks)
     if not row_idx:
         return logits
-    r_t = torch.tensor(row_idx, dtype=torch.int64, device=logits.device)
-    t_t = torch.tensor(tok_idx, dtype=torch.int64, device=logits.device)
+    r_t, t_t = host_to_device([row_idx, tok_idx], torch.int64, logits.device)
     picked = logits[r_t, t_t]
     pen = penalties[r_t]
     out = logits.clone()
@@ -165,7 +178,7 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     (argmax of p / noise) is scale-free, and leaving untouched rows bit-identical keeps a seeded
     request's draws independent of whether its batch needed filtering at all.
     """
-    rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=probs.device)
+    rows = host_to_device(info.sampled_rows, torch.int64, probs.device)
     vocab = probs.shape[-1]
     probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=probs.device).view(1, -1)
@@ -244,7 +257,7 @@ class Sampler(torch.nn.Module):
     @staticmethod
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         next_ids = torch.argmax(logits, dim=-1)  # greedy rows keep this
-        rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=logits.device)
+        rows = host_to_device(info.sampled_rows, torch.int64, logits.device)
         probs = torch.softmax(logits[rows] / info.temperatures[rows], dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = filter_probs(probs, info)
@@ -264,7 +277,7 @@ class Sampler(torch.nn.Module):
         if len(shared) == len(info.sampled_rows):
             noise.exponential_()
         elif shared:
-            pos_t = torch.tensor(shared, dtype=torch.int64, device=logits.device)
+            pos_t = host_to_device(shared, torch.int64, logits.device)
             noise[pos_t] = torch.empty_like(noise[pos_t]).exponential_()
         # NOTE: Exp(1) can round to 0; clamp so a filtered token (p = 0) never gets 0/0 = NaN.
         drawn = torch.argmax(probs / noise.clamp_min_(1e-10), dim=-1)

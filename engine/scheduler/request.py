@@ -40,6 +40,10 @@ class Req:
     finish_reason: str | None = None
     # Set by the scheduler when choosing the waiting order (longest prefix match policy).
     match_len_hint: int = 0
+    # NOTE: the last `num_pending` output ids are placeholders (negative) for tokens that a
+    # launched step is still sampling on the device; `Scheduler.resolve_tokens` replaces them
+    # in order. Placeholder -(k + 1) is the k-th sampled row of the latest launched step.
+    num_pending: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -59,3 +63,16 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status == ReqStatus.FINISHED
+
+    @property
+    def num_known_outputs(self) -> int:
+        """Output tokens whose values are known on the host (placeholders excluded)."""
+        return len(self.output_ids) - self.num_pending
+
+    def reaches_length_limit(self, num_outputs: int, max_context_len: int) -> bool:
+        """Whether a request with `num_outputs` output tokens must stop (max_tokens, or the
+        context is full); the engine's stop check and the scheduler's look-ahead share it."""
+        return (
+            num_outputs >= self.params.max_tokens
+            or len(self.prompt_ids) + num_outputs >= max_context_len
+        )

@@ -218,32 +218,44 @@ class Scheduler:
         self.prefilling.remove(req)
         self.waiting.insert(0, req)
 
-    def _schedule_decode(self) -> ScheduleOutput:
-        got = self._alloc([(req, 1) for req in self.running], reserve=0)
+    def _schedule_decode(self) -> ScheduleOutput | None:
+        # NOTE: with the overlap schedule a request's last output id may be a placeholder for a
+        # token still being sampled. If that token reaches the length limit, the engine finishes
+        # the request when it processes the token, so it gets no further step.
+        decoding = [
+            r
+            for r in self.running
+            if not r.reaches_length_limit(len(r.output_ids), self.max_context_len)
+        ]
+        if not decoding:
+            return None
+        got = self._alloc([(req, 1) for req in decoding], reserve=0)
         while got is None:
             # Retract the newest admitted request, but keep at least one decoding.
-            victims = self.prefilling + (self.running if len(self.running) > 1 else [])
+            victims = self.prefilling + (decoding if len(decoding) > 1 else [])
             if not victims:
                 raise RuntimeError("the KV pool cannot hold one request; raise max_total_tokens")
-            self.retract(max(victims, key=lambda r: r.arrival))
-            got = self._alloc([(req, 1) for req in self.running], reserve=0)
+            victim = max(victims, key=lambda r: r.arrival)
+            self.retract(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+            got = self._alloc([(req, 1) for req in decoding], reserve=0)
         entries = []
-        for req, (slot,) in zip(self.running, got, strict=True):
+        for req, (slot,) in zip(decoding, got, strict=True):
             rewrite = req.rid in self._row_dirty
             self._row_dirty.discard(req.rid)
             entries.append(
                 BatchEntry(
                     req.req_pool_idx,
-                    [req.output_ids[-1]],
+                    [req.output_ids[-1]],  # a placeholder when its value is still on the device
                     req.num_computed,
                     [slot],
                     prefix_slots=list(req.kv_slots) if rewrite else None,
                 )
             )
             req.kv_slots.append(slot)
-        reqs = list(self.running)
         return ScheduleOutput(
-            ScheduledBatch(ForwardMode.DECODE, entries), reqs, list(range(len(reqs)))
+            ScheduledBatch(ForwardMode.DECODE, entries), decoding, list(range(len(decoding)))
         )
 
     def _pages_needed(self, req: Req, n: int) -> int:
@@ -283,26 +295,49 @@ class Scheduler:
         return out
 
     # ---- after the forward -------------------------------------------------------------------
-    def process_batch(self, out: ScheduleOutput, next_ids: dict[int, int]) -> list[Req]:
-        """Record the forward's results. `next_ids` maps sampled rows to their new token.
-
-        Returns the requests that received a token (the engine checks them for stop conditions
-        and calls `finish`)."""
-        got_token: list[Req] = []
-        for row, req in enumerate(out.reqs):
-            if req.finished:  # aborted while the batch ran
-                continue
-            if out.batch.mode == ForwardMode.EXTEND:
+    # A batch's results are recorded in two parts, so that the engine can schedule the next
+    # batch before this one's sampled tokens reach the host (the overlap schedule):
+    # `on_batch_launched` right after the batch is queued on the device, `resolve_tokens` once
+    # its token ids are known. `process_batch` does both, for callers that wait for the ids.
+    def on_batch_launched(self, out: ScheduleOutput) -> None:
+        """The batch of `out` is queued on the device: record what does not depend on the
+        values it samples. Finished prefill chunks are shared through the radix tree (a request
+        that matches them runs in a later batch, after their KV is written), requests whose
+        input is complete start decoding, and each sampled request gets a placeholder output id
+        (-(k + 1) for the k-th sampled row) until `resolve_tokens` replaces it."""
+        if out.batch.mode == ForwardMode.EXTEND:
+            for req in out.reqs:
                 self._cache_progress(req)
                 if req.num_computed == req.fill_len:
                     self.prefilling.remove(req)
                     self.running.append(req)
                     req.status = ReqStatus.DECODE
-            if row in next_ids:
-                req.output_ids.append(next_ids[row])
-                self.counters.generation_tokens += 1
-                got_token.append(req)
+        for k, row in enumerate(out.sample_rows):
+            req = out.reqs[row]
+            req.output_ids.append(-(k + 1))
+            req.num_pending += 1
+
+    def resolve_tokens(self, out: ScheduleOutput, next_ids: dict[int, int]) -> list[Req]:
+        """Replace the placeholders of `out`'s sampled rows with their tokens (`next_ids` maps
+        each sampled row to its token). Returns the requests that received a token, in row
+        order; requests finished since the launch (their placeholders dropped) are skipped."""
+        got_token: list[Req] = []
+        for k, row in enumerate(out.sample_rows):
+            req = out.reqs[row]
+            if req.finished:
+                continue
+            i = len(req.output_ids) - req.num_pending  # placeholders resolve in launch order
+            assert req.output_ids[i] == -(k + 1), f"{req.rid}: output {i} is not row {row}'s"
+            req.output_ids[i] = next_ids[row]
+            req.num_pending -= 1
+            self.counters.generation_tokens += 1
+            got_token.append(req)
         return got_token
+
+    def process_batch(self, out: ScheduleOutput, next_ids: dict[int, int]) -> list[Req]:
+        """Record a finished forward: `on_batch_launched`, then `resolve_tokens`."""
+        self.on_batch_launched(out)
+        return self.resolve_tokens(out, next_ids)
 
     def _cache_progress(self, req: Req) -> None:
         """Share what a prefill chunk computed through the radix tree."""
@@ -322,6 +357,9 @@ class Scheduler:
         request's own slots are freed instead of entering the prefix cache."""
         if req.finished:
             return
+        if req.num_pending:  # the tokens of launched steps that it no longer takes
+            del req.output_ids[-req.num_pending :]
+            req.num_pending = 0
         if req.status == ReqStatus.WAITING:
             self.waiting.remove(req)
         else:
@@ -341,7 +379,10 @@ class Scheduler:
         """Hand an admitted request's computed KV to the tree (unlocked), or free the slots it
         owns when `keep_kv` is False; free its row."""
         if keep_kv:
-            computed = req.all_ids[: req.num_computed]
+            # NOTE: a request finished while a launched decode step extends it holds one slot
+            # past fill_len: that step writes the KV of its last output token, which the tree
+            # does not get (as without overlap); cache_finished frees it with the tail.
+            computed = req.all_ids[: min(req.num_computed, req.fill_len)]
             self.tree.cache_finished(computed, req.kv_slots, req.last_node)
         else:
             assert req.last_node is not None
