@@ -10,10 +10,16 @@ One run (under 8 minutes on one H200):
   ms/step, tok/s, share of the decode ceiling); the prefill phase alone (tok/s, TFLOP/s, share
   of the compute ceiling);
 - the KV tokens that fit (runner.max_total_tokens at the default mem_fraction), bf16 and FP8;
-- a torch.profiler summary of batch-1 and batch-16 decode steps (kernels, GPU time, wall time).
+- a torch.profiler summary of batch-1 and batch-16 decode steps (kernels, GPU time, wall time);
+- per step, the host's busy time (a step's wall time less the time it waited for the device)
+  and the device's time (CUDA events around the step); `--overlap-compare` adds batch-1 decode
+  with the overlap schedule the other way round (`--overlap` sets it for every engine).
 
 Phases are timed from outside the engine: `EngineCore.step` and `Scheduler.schedule` are wrapped
-on the instances (each step between two synchronizations, classified by its batch's mode).
+on the instances (classified by the batch's mode). Without overlap each step runs between two
+synchronizations; with overlap a step processes the batch the step before it launched, so a
+batch is timed from the return of the step that launched it to the return of the next one (no
+synchronization: it would undo the overlap).
 
 Decode ceiling of a step = bytes it must read / copy bandwidth: the expert weights its tokens
 touch (expected distinct experts of b tokens each picking top_k of E uniformly:
@@ -63,6 +69,7 @@ from engine.config import ConfigError  # noqa: E402
 
 COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
 KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
+OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
 
 
 # ---- the model's shape and its ceilings ---------------------------------------------------------
@@ -165,11 +172,13 @@ class StepRecord:
     pairs: int  # causal (query, key) pairs of an extend step
     sampled: int  # rows that drew a token
     profiled: bool
+    host_seconds: float = 0.0  # the launching step's wall time less its waits for the device
+    device_seconds: float = 0.0  # the device's time for the batch (CUDA events; CPU: wall)
 
 
 class StepTimer:
-    """Times every `core.step()` between two device synchronizations and records what the
-    scheduler handed it. Wraps the two methods on the instances; `close()` removes the wraps.
+    """Times every batch that `core.step()` runs and records what the scheduler handed it.
+    Wraps `step`, `schedule` and `record_step` on the instances; `close()` removes the wraps.
     `profile(start, count, batch)` runs torch.profiler over `count` steps, from the step after
     the `start`-th decode step of `batch` requests (all of them decoding: the scheduler gives
     decoders a step between prefill chunks, and those are not the steps to profile)."""
@@ -177,11 +186,17 @@ class StepTimer:
     def __init__(self, core: Any, device: torch.device) -> None:
         self.core = core
         self.device = device
+        self.overlap = bool(getattr(core, "overlap", False))
         self.records: list[StepRecord] = []
         self._out: Any = None
+        self._device_s: dict[int, float] = {}  # id(schedule output) -> device seconds
+        # overlap: (schedule output, host seconds, profiled, return time) of the last step
+        self._last: tuple[Any, float, bool, float] | None = None
         self._schedule = core.scheduler.schedule
+        self._record_step = core.scheduler.record_step
         self._step = core.step
         core.scheduler.schedule = self._wrapped_schedule
+        core.scheduler.record_step = self._wrapped_record_step
         core.step = self._wrapped_step
         self.prof: Any = None
         self._window: tuple[int, int, int] | None = None
@@ -189,6 +204,7 @@ class StepTimer:
 
     def close(self) -> None:
         del self.core.scheduler.schedule
+        del self.core.scheduler.record_step
         del self.core.step
 
     def sync(self) -> None:
@@ -203,21 +219,40 @@ class StepTimer:
         self._out = self._schedule()
         return self._out
 
+    def _wrapped_record_step(self, out: Any, seconds: float) -> None:
+        self._device_s[id(out)] = seconds
+        self._record_step(out, seconds)
+
     def _wrapped_step(self) -> bool:
         profiling = self._maybe_start_profiler()
-        self.sync()
+        if not self.overlap:
+            self.sync()
         t0 = time.perf_counter()
         ran = self._step()
-        self.sync()
-        dt = time.perf_counter() - t0
+        if not self.overlap:
+            self.sync()
+        t1 = time.perf_counter()
+        host = t1 - t0 - getattr(self.core, "last_wait_s", 0.0)
         out, self._out = self._out, None
         if profiling:
             self._profiled_left -= 1
             if self._profiled_left == 0:
                 self.prof.stop()
-        if out is not None:
-            self.records.append(_record(out, dt, profiling))
+        if not self.overlap:
+            if out is not None:
+                self._add(out, t1 - t0, host, profiling)
+            return ran
+        # The batch the previous step launched was processed in this one: it took from the
+        # previous step's return to this one's.
+        if self._last is not None:
+            last_out, last_host, last_profiled, last_t = self._last
+            self._add(last_out, t1 - last_t, last_host, last_profiled)
+        self._last = None if out is None else (out, host, profiling, t1)
         return ran
+
+    def _add(self, out: Any, seconds: float, host: float, profiled: bool) -> None:
+        device = self._device_s.pop(id(out), seconds)
+        self.records.append(_record(out, seconds, profiled, host, device))
 
     def _maybe_start_profiler(self) -> bool:
         if self._profiled_left > 0:
@@ -240,7 +275,9 @@ class StepTimer:
         return True
 
 
-def _record(out: Any, seconds: float, profiled: bool) -> StepRecord:
+def _record(
+    out: Any, seconds: float, profiled: bool, host: float = 0.0, device: float = 0.0
+) -> StepRecord:
     batch = out.batch
     decode = "decode" in str(getattr(batch.mode, "value", batch.mode)).lower()
     tokens = context = pairs = 0
@@ -250,7 +287,16 @@ def _record(out: Any, seconds: float, profiled: bool) -> StepRecord:
         context += p + n
         pairs += n * p + n * (n + 1) // 2
     return StepRecord(
-        decode, seconds, len(batch.entries), tokens, context, pairs, len(out.sample_rows), profiled
+        decode,
+        seconds,
+        len(batch.entries),
+        tokens,
+        context,
+        pairs,
+        len(out.sample_rows),
+        profiled,
+        host,
+        device,
     )
 
 
@@ -306,10 +352,17 @@ def decode_phase(dec: list[StepRecord], ceil: Ceilings) -> dict[str, Any] | None
     s = sum(r.seconds for r in dec)
     toks = sum(r.batch_size for r in dec)
     c = sum(ceil.decode_s(r) for r in dec)
+    host_ms = 1e3 * statistics.median(r.host_seconds for r in dec)
+    wall_ms = 1e3 * statistics.median(r.seconds for r in dec)
     return dict(
         steps=len(dec),
         ms_per_step=1e3 * s / len(dec),
-        ms_per_step_median=1e3 * statistics.median(r.seconds for r in dec),
+        ms_per_step_median=wall_ms,
+        # The host's busy time per step (hidden behind the device with overlap), and the
+        # device's own time: wall - device is what the device waits for the host.
+        host_ms_per_step_median=host_ms,
+        host_share=host_ms / wall_ms,
+        device_ms_per_step_median=1e3 * statistics.median(r.device_seconds for r in dec),
         tok_s=toks / s,
         mean_batch=toks / len(dec),
         mean_context=sum(r.context for r in dec) / toks,
@@ -413,6 +466,7 @@ class Bench:
     def make_llm(self, **overrides: Any) -> LLM:
         a = self.args
         kw: dict[str, Any] = dict(device=a.device, max_running_requests=a.max_running)
+        kw["enable_overlap"] = OVERLAP[a.overlap]
         if a.max_context_len:
             kw["max_context_len"] = a.max_context_len
         kw.update(overrides)
@@ -548,7 +602,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_engine = {
         kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
     }
-    bar = tqdm(total=2 + sum(per_engine.values()), desc="bench_engine", unit="task")
+    tasks = 2 + int(args.overlap_compare) + sum(per_engine.values())
+    bar = tqdm(total=tasks, desc="bench_engine", unit="task")
 
     took: dict[str, float] = result["task_s"]
 
@@ -582,6 +637,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["batch1"]["compile_bf16"] = task(
             "compile batch 1", lambda: bench.batch1_engine(enable_torch_compile=True)
         )
+    if args.overlap_compare:  # the default engine's batch 1 with the overlap schedule flipped
+        main_on = OVERLAP[args.overlap]
+        flipped = not (device.type == "cuda" if main_on is None else main_on)
+        result["batch1"][f"overlap_{'on' if flipped else 'off'}_bf16"] = task(
+            "overlap batch 1",
+            lambda: bench.batch1_engine(enable_overlap=flipped, cuda_graph_max_bs=8),
+        )
     for kv in kvs:
         if bench.over_budget(took.get("bf16 engine", 0.0)):
             result["skipped"].append(f"{kv} engine")
@@ -600,7 +662,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{kv} batch 1", partial(bench.batch1, llm, ceil), "bf16 batch 1"
             )
             if b1:
-                say(f"batch-1 decode, {name}: {b1['ms_per_step_median']:.2f} ms/step")
+                say(
+                    f"batch-1 decode, {name}: {b1['ms_per_step_median']:.2f} ms/step, host "
+                    f"{b1['host_ms_per_step_median']:.2f} ms, device "
+                    f"{b1['device_ms_per_step_median']:.2f} ms"
+                )
             for n in args.ns_list:
                 r = task(f"{kv} N={n}", partial(bench.run_n, llm, n, ceil), f"bf16 N={n}")
                 if r:
@@ -657,7 +723,9 @@ def report(res: dict[str, Any]) -> str:
     parts = []
     for name, d in b1.items():
         if d and "ms_per_step_median" in d:
-            parts.append(f"{name} {d['ms_per_step_median']:.2f}")
+            parts.append(
+                f"{name} {d['ms_per_step_median']:.2f} (host {d['host_ms_per_step_median']:.2f})"
+            )
         elif d:
             parts.append(f"{name} n/a ({d.get('unavailable', '').split(';')[0][:60]})")
     lines.append(
@@ -735,6 +803,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-context-len", type=int, default=None, help="default: the model's")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up run before each N")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument(
+        "--overlap", choices=sorted(OVERLAP), default="auto", help="enable_overlap of the engines"
+    )
+    ap.add_argument(
+        "--overlap-compare",
+        action="store_true",
+        help="also batch-1 decode with the overlap schedule flipped (its own engine)",
+    )
     ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; see above")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
     ap.add_argument("--json", help="write the results here (rewritten after every task)")

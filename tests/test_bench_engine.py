@@ -35,6 +35,7 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     argv = ["--tiny", "--layers", "2", "--quick", "--device", "cpu", "--ns", "1,3"]
     argv += ["--max-tokens", "4", "--b1-tokens", "4", "--profile-ns", "2"]
     argv += ["--profile-steps", "2", "--out", str(tmp_path / "ckpt"), "--json", str(out)]
+    argv += ["--overlap", "on", "--overlap-compare"]  # overlapped timing, and the serial one
     threads = torch.get_num_threads()
     try:
         assert bench.main(argv) == 0  # --tiny runs on one thread
@@ -46,6 +47,9 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     assert set(res["kv_tokens"]) == {"bf16", "fp8"}
     assert {"default_bf16", "default_fp8", "eager_bf16", "compile_bf16"} <= set(res["batch1"])
     assert res["batch1"]["eager_bf16"]["ms_per_step_median"] > 0
+    for name in ("eager_bf16", "default_bf16", "overlap_off_bf16"):
+        b1 = res["batch1"][name]
+        assert 0 < b1["host_ms_per_step_median"] and 0 < b1["device_ms_per_step_median"]
     assert [(r["kv"], r["n"]) for r in res["runs"]] == [
         ("bf16", 1),
         ("bf16", 3),
