@@ -284,3 +284,58 @@ def test_overlap_with_cuda_graphs_equals_serial(which: str, request: pytest.Fixt
         _check_idle(llm)
         torch.cuda.synchronize()
     assert results[True, True] == results[True, False] == results[False, False]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("which", ["mla", "llama"])
+def test_overlap_decode_launch_does_not_synchronize(
+    which: str, graphs: bool, request: pytest.FixtureRequest
+) -> None:
+    """Launching a decode step waits for nothing on the GPU (else the host could not run ahead):
+    CUDA's sync debug mode turns any implicit synchronization into an error. Greedy, seeded
+    top-k / top-p, min_tokens, logprobs and repetition-penalty rows; placeholder inputs."""
+    if which == "mla":
+        model = request.getfixturevalue("tiny_mla")("v2", moe=True, q_lora_rank=None)
+    else:
+        model = request.getfixturevalue("tiny_llama")
+    llm = LLM(
+        model,
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=2048,
+        enable_cuda_graph=graphs,
+        cuda_graph_max_bs=8,
+        enable_overlap=True,
+    )
+    launch = llm.core.runner.launch
+    checked: list[bool] = []
+
+    def strict(batch, sample_rows, requests):  # type: ignore[no-untyped-def]
+        if batch.mode.value != "decode":
+            return launch(batch, sample_rows, requests)
+        placeholders = any(t < 0 for e in batch.entries for t in e.input_ids)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch, sample_rows, requests)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(placeholders)
+
+    llm.core.runner.launch = strict  # type: ignore[method-assign]
+    prompts = _prompts(5, seed=13)
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY),
+        SamplingParams(max_tokens=8, temperature=0.7, top_k=20, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=8, min_tokens=4, logprobs=True, **GREEDY),
+        SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05),
+        SamplingParams(max_tokens=8, repetition_penalty=1.2, **GREEDY),
+    ]
+    for p in params:  # each kind alone (batches of one kind), then all together
+        llm.generate(prompts[:2], p)
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in outs)
+    assert checked and any(checked)
+    if graphs:
+        assert llm.core.runner.graph_runner is not None
+        assert llm.core.runner.graph_runner.replays > 0
