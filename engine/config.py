@@ -130,6 +130,9 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
+TORCH_COMPILE_LAYERS = ("native", "kernels")
+TORCH_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+TORCH_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,19 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch_native" or "triton"
     enable_cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    # torch.compile of the decode forward for batches of up to torch_compile_max_bs requests
+    # (engine/executor/compile.py): inside the CUDA graphs on CUDA, called directly elsewhere.
     enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    # What the compiled forward runs for the norms, activation, RoPE, MLA preamble and router:
+    # "native" their torch code, fused by inductor; "kernels" the hand-written Triton kernels as
+    # opaque custom ops. Attention, the KV store and the fused MoE are custom ops either way.
+    torch_compile_layers: str = "native"
+    torch_compile_backend: str = "inductor"  # "aot_eager" / "eager": no code generation (tests)
+    torch_compile_mode: str = "default"
+    # Inductor's cache (compiled kernels and graphs), so that a restart compiles nothing; None:
+    # $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/mla-engine/inductor.
+    torch_compile_cache_dir: str | None = None
     tp_size: int = 1
     seed: int = 0
     disable_radix_cache: bool = False
@@ -180,7 +195,13 @@ class EngineConfig:
             raise ConfigError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size"):
+        for name in (
+            "page_size",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "tp_size",
+            "torch_compile_max_bs",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size & (self.page_size - 1):
@@ -191,10 +212,17 @@ class EngineConfig:
             raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.enable_torch_compile:
+        for name, choices in (
+            ("torch_compile_layers", TORCH_COMPILE_LAYERS),
+            ("torch_compile_backend", TORCH_COMPILE_BACKENDS),
+            ("torch_compile_mode", TORCH_COMPILE_MODES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.torch_compile_mode != "default" and self.torch_compile_backend != "inductor":
             raise ConfigError(
-                "enable_torch_compile is not implemented yet; decode batches up to "
-                "cuda_graph_max_bs already run from CUDA graphs (enable_cuda_graph)"
+                f"torch_compile_mode={self.torch_compile_mode!r} needs "
+                f"torch_compile_backend='inductor', got {self.torch_compile_backend!r}"
             )
 
     @classmethod

@@ -85,11 +85,6 @@ def test_unknown_engine_config_key_is_named() -> None:
         EngineConfig.from_dict({"max_batch": 3})
 
 
-def test_torch_compile_is_refused_until_implemented() -> None:
-    with pytest.raises(ConfigError, match="enable_torch_compile is not implemented"):
-        EngineConfig.from_dict({"enable_torch_compile": True})
-
-
 def test_v2_lite_preset_has_the_real_shape(tmp_path: Path) -> None:
     """`make_random_checkpoint --preset v2-lite` (GPU benchmarks): the config our loader reads."""
     from engine.tools.make_random_checkpoint import PRESETS, make_config

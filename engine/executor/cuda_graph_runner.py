@@ -10,6 +10,9 @@ The attention backend sets up the metadata of the captured batches through its g
 (`init_forward_metadata_capture` / `_replay`). The kernels choose their split count from the
 batch size and the longest context; a graph is captured for the longest context the request
 table allows, so its split count holds for every batch it replays (empty splits exit at once).
+
+With torch.compile (`compile_config`), the graphs of batch sizes up to torch_compile_max_bs
+capture the compiled forward instead (engine/executor/compile.py): its warm-up runs compile it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import time
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
+from engine.config import EngineConfig
+from engine.executor.compile import DecodeForward, compile_decode_forward, traced_layers
 from engine.forward_batch import ForwardBatch, ForwardContext
 from engine.scheduler.batch import ForwardMode
 
@@ -58,6 +64,7 @@ class CudaGraphRunner:
         device: torch.device,
         max_bs: int,
         max_context_len: int,
+        compile_config: EngineConfig | None = None,
     ) -> None:
         self.model, self.ctx = model, ctx
         self.max_context_len = max_context_len
@@ -82,13 +89,29 @@ class CudaGraphRunner:
         # CUDA calls from other threads (another engine's loop) cannot invalidate it; the
         # default CUDA generator is process-wide, so callers hold DEVICE_LOCK around us too.
         self.stream = torch.cuda.Stream(dev)
+        # The sizes whose graphs capture the compiled forward (none without compile_config).
+        self.compiled_forward: DecodeForward | None = None
+        self.compiled_sizes: list[int] = []
+        self.compile_layers = "native"
+        if compile_config is not None:
+            self.compiled_forward = compile_decode_forward(
+                model, compile_config, ctx.attn_backend.traceable
+            )
+            self.compile_layers = compile_config.torch_compile_layers
+            max_compiled = compile_config.torch_compile_max_bs
+            self.compiled_sizes = [b for b in self.capture_sizes if b <= max_compiled]
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info(dev)[0]
-        for bs in reversed(self.capture_sizes):  # largest first: later graphs reuse its memory
-            try:
-                self._capture(bs)
-            except Exception as e:
-                raise RuntimeError(f"capturing the decode graph of batch size {bs}: {e}") from e
+        compile_s = 0.0
+        sizes = list(reversed(self.capture_sizes))  # largest first: later graphs reuse its memory
+        what = "compiling and capturing" if self.compiled_sizes else "capturing"
+        with tqdm(sizes, desc=f"{what} decode graphs", unit="graph", leave=False) as bar:
+            for bs in bar:
+                bar.set_postfix(bs=bs, compiled=bs in self.compiled_sizes)
+                try:
+                    compile_s += self._capture(bs)
+                except Exception as e:
+                    raise RuntimeError(f"capturing the decode graph of batch size {bs}: {e}") from e
         logger.info(
             "captured %d CUDA graphs for decode batch sizes %s in %.1f s, using %.2f GiB",
             len(self.capture_sizes),
@@ -96,6 +119,13 @@ class CudaGraphRunner:
             time.perf_counter() - t0,
             (free_before - torch.cuda.mem_get_info(dev)[0]) / 2**30,
         )
+        if self.compiled_sizes:
+            logger.info(
+                "torch.compile (%s layers): batch sizes %s compiled in %.1f s (warm-up included)",
+                self.compile_layers,
+                self.compiled_sizes,
+                compile_s,
+            )
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """The batch a graph of size `bs` runs: views of the static buffers. Its host-side lists
@@ -117,16 +147,26 @@ class CudaGraphRunner:
         return fb
 
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.compiled_forward is not None and fb.batch_size in self.compiled_sizes:
+            return self.compiled_forward(fb.input_ids, fb.positions, fb)
         return self.model.compute_logits(self.model(fb.input_ids, fb.positions, fb))
 
-    def _capture(self, bs: int) -> None:
+    def _capture(self, bs: int) -> float:
+        """Warm up and capture the graph of size `bs`; returns the seconds of the warm-up (the
+        compilation, for a compiled size)."""
         fb = self._static_batch(bs)
-        # Warm up first (Triton compiles its kernels, the allocator settles).
+        compiled = bs in self.compiled_sizes
+        # NOTE: the layer choice holds through the capture too: dynamo checks it on every call
+        # of the compiled forward, and a changed choice would recompile inside the capture.
+        layers = traced_layers(self.model, self.compile_layers if compiled else "kernels")
+        # Warm up first (Triton and torch.compile compile, the allocator settles).
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        with layers, torch.cuda.stream(self.stream):
+            t0 = time.perf_counter()
             for _ in range(2):
                 self._run_model(fb)
             self.stream.synchronize()
+            warm_s = time.perf_counter() - t0
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
@@ -136,6 +176,7 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[bs] = graph
         self.batches[bs] = fb
+        return warm_s if compiled else 0.0
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.is_decode and fb.batch_size <= self.max_bs
@@ -168,8 +209,10 @@ def capture_graphs(
     device: torch.device,
     max_bs: int,
     max_context_len: int,
+    compile_config: EngineConfig | None = None,
 ) -> CudaGraphRunner | None:
     """Capture the decode graphs; on failure log a warning and return None (decode runs eagerly).
+    With `compile_config`, a failure is first retried without torch.compile.
 
     A failed capture leaves the default CUDA generators in capture mode (PyTorch ends their
     capture only after a successful one), which breaks every later random draw in the process;
@@ -178,14 +221,19 @@ def capture_graphs(
     """
     generators = list(torch.cuda.default_generators)
     saved = [g.clone_state() for g in generators]
-    try:
-        return CudaGraphRunner(model, ctx, device, max_bs, max_context_len)
-    except Exception as e:
-        for gen, state in zip(generators, saved, strict=True):
-            gen.graphsafe_set_state(state)
+    attempts = [compile_config, None] if compile_config is not None else [None]
+    for config in attempts:
         try:
-            torch.cuda.synchronize(device)
-        except Exception as sticky:
-            raise CaptureError(f"a failed graph capture left the GPU unusable: {e}") from sticky
-        logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e)
-        return None
+            return CudaGraphRunner(model, ctx, device, max_bs, max_context_len, config)
+        except Exception as e:
+            for gen, state in zip(generators, saved, strict=True):
+                gen.graphsafe_set_state(state)
+            try:
+                torch.cuda.synchronize(device)
+            except Exception as sticky:
+                raise CaptureError(f"a failed graph capture left the GPU unusable: {e}") from sticky
+            if config is not None:
+                logger.warning("torch.compile of the decode graphs failed, captured without: %s", e)
+            else:
+                logger.warning("CUDA graph capture failed, decode runs without graphs: %s", e)
+    return None

@@ -23,6 +23,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.parallel_state import ParallelState, init_parallel_state
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
+from engine.executor.compile import CompiledDecode
 from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_graphs
 from engine.executor.device_lock import DEVICE_LOCK
 from engine.executor.loader import load_weights
@@ -219,6 +220,15 @@ class ModelRunner:
                 self.device,
                 min(config.cuda_graph_max_bs, self.max_running_requests),
                 self.max_context_len,
+                self._compile_config(),
+            )
+        # torch.compile without graphs (CPU, or graphs off): the decode forward is called as is.
+        self.compiled_decode: CompiledDecode | None = None
+        compile_config = self._compile_config() if self.graph_runner is None else None
+        if compile_config is not None:
+            traceable = self.attn_backend.traceable
+            self.compiled_decode = CompiledDecode(
+                self.model, compile_config, traceable, self.max_context_len
             )
         if self.workers is not None:
             self.workers.wait("ready", READY_TIMEOUT_S)
@@ -275,6 +285,17 @@ class ModelRunner:
             logger.info("CUDA graphs off: not supported with tp_size > 1 yet")
             return False
         return True
+
+    def _compile_config(self) -> EngineConfig | None:
+        """The config when the decode forward is to be compiled, else None.
+
+        NOTE: not with tensor parallelism yet (the all-reduces would have to be traced)."""
+        if not self.config.enable_torch_compile:
+            return None
+        if self.parallel.world_size > 1:
+            logger.info("torch.compile off: not supported with tp_size > 1 yet")
+            return None
+        return self.config
 
     def _kv_slots(self) -> int:
         """How many token slots the KV pool gets: configured, or what fits in device memory."""
@@ -365,6 +386,8 @@ class ModelRunner:
             fb = self.prepare(batch)
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
                 return self.graph_runner.replay(fb)  # decode: one token, so last = all
+            if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
+                return self.compiled_decode.run(fb)
             hidden = self.model(fb.input_ids, fb.positions, fb)
             if not all_logits:
                 hidden = hidden[fb.extend_lens.cumsum(0) - 1]  # each request's last token

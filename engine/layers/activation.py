@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.activation import silu_and_mul
+from engine.kernels.custom_ops import silu_and_mul
 
 
 def silu_and_mul_native(gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from torch import nn
 
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
-from engine.kernels.fused_moe import SharedExperts, fused_moe
-from engine.kernels.moe_router import moe_router
+from engine.kernels.custom_ops import fused_moe, moe_router
+from engine.kernels.fused_moe import SharedExperts
 
 
 class TopkRouter(nn.Module):
@@ -194,7 +194,10 @@ class Experts(nn.Module):
                 shared_experts=shared_experts,
             )
         assert shared_experts is None, "the shared experts run inside the fused MoE kernel only"
-        out = moe_forward_native(x, w13, w2, topk_weights, topk_ids)
+        # NOTE: the torch code loops over the chosen experts on the host (data-dependent shapes):
+        # a compiled forward runs it eagerly, between its compiled pieces.
+        native = _moe_forward_untraced if torch.compiler.is_compiling() else moe_forward_native
+        out = native(x, w13, w2, topk_weights, topk_ids)
         return out if shared_output is None else out + shared_output
 
 
@@ -225,3 +228,6 @@ def moe_forward_native(
         y = F.linear(F.silu(gate) * up, w2[expert].to(dtype))
         out.index_add_(0, tokens, (y * weight_of[sel, None]).to(dtype))
     return out.to(x.dtype)
+
+
+_moe_forward_untraced = torch.compiler.disable(moe_forward_native)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.norm import fused_add_rms_norm, rms_norm
+from engine.kernels.custom_ops import fused_add_rms_norm, rms_norm
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernels.rope import rotary_embedding
+from engine.kernels.custom_ops import rotary_embedding
 
 
 def rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

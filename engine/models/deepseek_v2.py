@@ -28,7 +28,7 @@ from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
 from engine.forward_batch import ForwardBatch
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
-from engine.kernels.mla_preamble import mla_preamble
+from engine.kernels.custom_ops import mla_preamble
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -195,7 +195,10 @@ class MLAAttention(MergedWeights):
         )
         if q_abs is None:
             return self._forward_decompressed(q_nope, q_pe, latent.unsqueeze(1), fb)
-        torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_abs[..., :r].transpose(0, 1))
+        if torch.compiler.is_compiling():  # dynamo traces no `out=` into a strided view
+            q_abs[..., :r] = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
+        else:
+            torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_abs[..., :r].transpose(0, 1))
         return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
 
     def _attend_absorbed(
@@ -206,8 +209,11 @@ class MLAAttention(MergedWeights):
         out_latent = self.attn_mqa(q, latent, None, fb)  # [T, H, r]
         if not fused:
             return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
+        w_vc_t = self.w_vc.transpose(1, 2)
+        if torch.compiler.is_compiling():  # as above
+            return torch.bmm(out_latent.transpose(0, 1), w_vc_t).transpose(0, 1).contiguous()
         out = out_latent.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
-        torch.bmm(out_latent.transpose(0, 1), self.w_vc.transpose(1, 2), out=out.transpose(0, 1))
+        torch.bmm(out_latent.transpose(0, 1), w_vc_t, out=out.transpose(0, 1))
         return out
 
     def _forward_decompressed(

@@ -41,11 +41,30 @@ class AttentionLayer(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fb: ForwardBatch
     ) -> torch.Tensor:
         """Store the new tokens' k (and v) at `fb.out_cache_loc`, then attend."""
+        if not fb.attn_backend.traceable and torch.compiler.is_compiling():
+            return _attend_untraced(self, q, k, v, fb)
+        return self.attend(q, k, v, fb)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fb: ForwardBatch
+    ) -> torch.Tensor:
         backend = fb.attn_backend
         backend.store_kv(self.layer_id, fb, k, v)
         if fb.is_decode:
             return backend.forward_decode(q, self, fb)
         return backend.forward_extend(q, k, v, self, fb)
+
+
+@torch.compiler.disable
+def _attend_untraced(
+    layer: AttentionLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    fb: ForwardBatch,
+) -> torch.Tensor:
+    """A backend torch.compile cannot trace runs eagerly between the compiled pieces."""
+    return layer.attend(q, k, v, fb)
 
 
 class AttentionBackend(ABC):
@@ -69,9 +88,13 @@ class AttentionBackend(ABC):
       decode batch over the graph's static buffers, valid for every batch of up to `max_seq_len`
       tokens of context; `init_forward_metadata_replay(fb, max_seq_len)` refreshes what the
       backend keeps outside those buffers before a replay. Neither may sync with the host.
+    - `traceable`: torch.compile may trace `store_kv` and `forward_decode` (their kernels are
+      custom ops and they read no per-batch host state). A compiled forward over another
+      backend runs its attention eagerly, breaking the compiled graph around it.
     """
 
     supports_cuda_graph = False
+    traceable = False
 
     def __init__(self, kv_pool: KVPool) -> None:
         self.kv_pool = kv_pool

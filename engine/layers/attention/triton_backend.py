@@ -16,10 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.kernels.custom_ops import gqa_decode, mla_decode, store_kv, store_mla_kv
 from engine.kernels.extend import extend_attention, ragged_attention
-from engine.kernels.gqa_decode import gqa_decode
-from engine.kernels.kv_store import store_kv, store_mla_kv
-from engine.kernels.mla_decode import mla_decode
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
@@ -40,6 +38,7 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
+    traceable = True  # decode and the KV store are custom ops (engine/kernels/custom_ops.py)
 
     def __init__(self, kv_pool: KVPool) -> None:
         super().__init__(kv_pool)
