@@ -4,7 +4,9 @@ One run (under 8 minutes on one H200):
 - writes the full V2-Lite shape with random bf16 weights (perf/write_v2lite_checkpoint.py), or
   reuses it, and measures the device-to-device copy bandwidth;
 - batch-1 decode ms/step with CUDA graphs (the default), eagerly (enable_cuda_graph=False), and
-  with torch.compile when the engine accepts enable_torch_compile (it refuses it today);
+  with graphs + torch.compile: an engine of its own per `--compile-layers` choice (graphs and
+  compile up to batch 16), which also runs the `--compile-ns` request counts (default 16) and
+  reports its start-up time, compilation included (a second run loads inductor's cache);
 - for N requests (512 random prompt tokens, 256 new tokens, ignore_eos, greedy), with bf16 and
   with FP8 (e4m3) KV: end-to-end output tok/s; the decode phase alone (steps without prefill:
   ms/step, tok/s, share of the decode ceiling); the prefill phase alone (tok/s, TFLOP/s, share
@@ -70,6 +72,9 @@ from engine.config import ConfigError  # noqa: E402
 COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
 KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
 OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
+# The compile engines' graphs and compiled sizes (1, 2, 4, 8, 16): batch 1 and 16 are measured,
+# and each compiled size costs start-up time.
+COMPILE_MAX_BS = 16
 
 
 # ---- the model's shape and its ceilings ---------------------------------------------------------
@@ -506,14 +511,48 @@ class Bench:
         return Ceilings(self.shape, wbytes, 1 if kv == "fp8" else wbytes, self.bandwidth)
 
     def batch1_engine(self, **overrides: Any) -> dict[str, Any] | None:
-        """Batch-1 decode of an engine of its own (eager, compiled); a config the engine refuses
-        is reported as unavailable."""
+        """Batch-1 decode of an engine of its own (eager, overlap flipped); a config the engine
+        refuses is reported as unavailable."""
         try:
             llm = self.make_llm(**overrides)
         except ConfigError as e:
             return {"unavailable": str(e)}
         try:
             return self.batch1(llm, self.ceilings(llm, "bf16"))
+        finally:
+            llm.shutdown()
+            del llm
+            self.release()
+
+    def compile_engine(self, layers: str) -> dict[str, Any]:
+        """Graphs + torch.compile (torch_compile_layers=`layers`), an engine of its own with
+        graphs and compile up to batch COMPILE_MAX_BS: its start-up time (compilation and
+        capture), batch-1 decode, and the `--compile-ns` runs."""
+        t0 = time.perf_counter()
+        try:
+            llm = self.make_llm(
+                enable_torch_compile=True,
+                torch_compile_layers=layers,
+                torch_compile_backend=self.args.compile_backend,
+                cuda_graph_max_bs=COMPILE_MAX_BS,
+                torch_compile_max_bs=COMPILE_MAX_BS,
+            )
+        except ConfigError as e:
+            return {"unavailable": str(e)}
+        out: dict[str, Any] = dict(layers=layers, engine_s=time.perf_counter() - t0)
+        try:
+            runner = llm.core.runner
+            ceil = self.ceilings(llm, "bf16")
+            out["batch1"] = self.batch1(llm, ceil)
+            out["runs"] = []
+            for n in self.args.compile_ns_list:
+                out["runs"].append(dict(kv="bf16", **self.run_n(llm, n, ceil)))
+                say(f"graphs + compile ({layers}): " + row(out["runs"][-1]))
+            # With graphs: the sizes compiled at start-up (none if compiling failed and the
+            # graphs were captured without); without (CPU): the sizes the runs compiled.
+            compiled = runner.graph_runner or runner.compiled_decode
+            out["compiled_sizes"] = sorted(getattr(compiled, "compiled_sizes", []))
+            return out
         finally:
             llm.shutdown()
             del llm
@@ -602,7 +641,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_engine = {
         kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
     }
-    tasks = 2 + int(args.overlap_compare) + sum(per_engine.values())
+    compile_layers = [] if args.skip_compile else [x for x in args.compile_layers.split(",") if x]
+    tasks = 1 + len(compile_layers) + int(args.overlap_compare) + sum(per_engine.values())
     bar = tqdm(total=tasks, desc="bench_engine", unit="task")
 
     took: dict[str, float] = result["task_s"]
@@ -631,12 +671,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["batch1"]["eager_bf16"] = task(
         "eager batch 1", lambda: bench.batch1_engine(enable_cuda_graph=False)
     )
-    if args.skip_compile:
-        bar.update(1)
-    else:
-        result["batch1"]["compile_bf16"] = task(
-            "compile batch 1", lambda: bench.batch1_engine(enable_torch_compile=True)
+    result["compile"] = {}
+    for layers in compile_layers:
+        c = result["compile"][layers] = task(
+            f"compile {layers}", partial(bench.compile_engine, layers), f"compile {layers}"
         )
+        if c and "batch1" in c:
+            result["batch1"][f"compile_{layers}_bf16"] = c["batch1"]
+            say(
+                f"graphs + compile ({layers}): engine start {c['engine_s']:.0f} s (sizes "
+                f"{c['compiled_sizes']} compiled), batch-1 "
+                f"{c['batch1']['ms_per_step_median']:.2f} ms/step"
+            )
     if args.overlap_compare:  # the default engine's batch 1 with the overlap schedule flipped
         main_on = OVERLAP[args.overlap]
         flipped = not (device.type == "cuda" if main_on is None else main_on)
@@ -736,6 +782,15 @@ def report(res: dict[str, Any]) -> str:
     ratio = f" ({kv['fp8'] / kv['bf16']:.2f}x)" if "bf16" in kv and "fp8" in kv else ""
     lines.append("KV tokens: " + " | ".join(f"{k} {v:,}" for k, v in kv.items()) + ratio)
     lines += [HEADER] + [row(r) for r in res["runs"]]
+    for layers, c in (res.get("compile") or {}).items():
+        if not c or "engine_s" not in c:
+            lines.append(f"graphs + compile ({layers}): {c}")
+            continue
+        lines.append(
+            f"graphs + compile ({layers}): engine start {c['engine_s']:.0f} s, compiled sizes "
+            f"{c['compiled_sizes']}"
+        )
+        lines += [row(r) for r in c.get("runs", [])]
     for name, p in res["profile"].items():
         if "error" in p:
             lines.append(f"profile {name}: {p['error']}")
@@ -804,6 +859,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up run before each N")
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument(
+        "--compile-layers",
+        default="native",
+        help="torch_compile_layers of the compile engines, e.g. native,kernels (one engine each)",
+    )
+    ap.add_argument("--compile-ns", default="16", help="request counts run with compile on")
+    ap.add_argument("--compile-backend", default="inductor", help="torch_compile_backend")
+    ap.add_argument(
         "--overlap", choices=sorted(OVERLAP), default="auto", help="enable_overlap of the engines"
     )
     ap.add_argument(
@@ -821,6 +883,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.ns_list = [1, 4] if a.quick else [1, 4, 16]
     else:
         a.ns_list = [1, 16, 64] if a.quick else [1, 16, 64, 128, 256]
+    a.compile_ns_list = [int(x) for x in a.compile_ns.split(",") if x]
     a.prompt_len = a.prompt_len or (32 if a.tiny else 512)
     a.max_tokens = a.max_tokens or (8 if a.tiny else 64 if a.quick else 256)
     a.b1_tokens = a.b1_tokens or (8 if a.tiny else 64)

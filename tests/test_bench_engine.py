@@ -36,6 +36,7 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     argv += ["--max-tokens", "4", "--b1-tokens", "4", "--profile-ns", "2"]
     argv += ["--profile-steps", "2", "--out", str(tmp_path / "ckpt"), "--json", str(out)]
     argv += ["--overlap", "on", "--overlap-compare"]  # overlapped timing, and the serial one
+    argv += ["--compile-ns", "3", "--compile-backend", "aot_eager"]  # compiled, no codegen
     threads = torch.get_num_threads()
     try:
         assert bench.main(argv) == 0  # --tiny runs on one thread
@@ -45,7 +46,12 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     assert res["checkpoint"]["layers"] == 2 and not res["checkpoint"]["reused"]
     assert res["copy_bandwidth_Bps"] > 0
     assert set(res["kv_tokens"]) == {"bf16", "fp8"}
-    assert {"default_bf16", "default_fp8", "eager_bf16", "compile_bf16"} <= set(res["batch1"])
+    assert {"default_bf16", "default_fp8", "eager_bf16", "compile_native_bf16"} <= set(
+        res["batch1"]
+    )
+    compiled = res["compile"]["native"]
+    assert {1, 3} <= set(compiled["compiled_sizes"]) and compiled["engine_s"] > 0
+    assert [r["n"] for r in compiled["runs"]] == [3] and compiled["runs"][0]["e2e_tok_s"] > 0
     assert res["batch1"]["eager_bf16"]["ms_per_step_median"] > 0
     for name in ("eager_bf16", "default_bf16", "overlap_off_bf16"):
         b1 = res["batch1"][name]
