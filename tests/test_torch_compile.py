@@ -297,10 +297,14 @@ def test_compile_graph_decode_matches_eager(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layers", ["native", "kernels"])
+@pytest.mark.parametrize(
+    ("layers", "kv_cache_dtype"),
+    [("native", "auto"), ("kernels", "auto"), ("native", "fp8_e4m3")],
+)
 def test_v2lite_compile_graph_decode_matches_eager(
     v2lite_two_layers: str,  # noqa: F811 (the fixture imported above)
     layers: str,
+    kv_cache_dtype: str,
 ) -> None:
     """Issue 12: on the real model shape, in bf16, decode replayed from graphs that captured
     the compiled forward gives the eager path's logits within bf16 tolerance, teacher-forced
@@ -310,7 +314,12 @@ def test_v2lite_compile_graph_decode_matches_eager(
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130, 300, 515)]
     forced = [[rng.randrange(100, 40000) for _ in range(12)] for _ in prompts]
-    common = dict(dtype="bfloat16", max_total_tokens=8192, max_running_requests=8)
+    common = dict(
+        dtype="bfloat16",
+        max_total_tokens=8192,
+        max_running_requests=8,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     eager = LLM(v2lite_two_layers, enable_cuda_graph=False, **common)
     ref = _teacher_forced_logits(eager, prompts, forced)
     del eager
