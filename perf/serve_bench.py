@@ -244,21 +244,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     words = single_token_words(tokenizer)
     levels = [int(c) for c in str(args.concurrency).split(",") if c]
     engine = make_engine() if args.target == "engine" else None
-    run: Callable[[list[str], int], tuple[list[Timing], float, float]]
+    run: Callable[[list[str], int, int], tuple[list[Timing], float, float]]
     if engine is not None:
 
-        def run(prompts: list[str], c: int) -> tuple[list[Timing], float, float]:
-            return run_engine_level(engine, prompts, c, args.max_tokens)
+        def run(prompts: list[str], c: int, max_tokens: int) -> tuple[list[Timing], float, float]:
+            return run_engine_level(engine, prompts, c, max_tokens)
     else:
 
-        def run(prompts: list[str], c: int) -> tuple[list[Timing], float, float]:
-            return run_server_level(args.url, args.model, prompts, c, args.max_tokens)
+        def run(prompts: list[str], c: int, max_tokens: int) -> tuple[list[Timing], float, float]:
+            return run_server_level(args.url, args.model, prompts, c, max_tokens)
 
     rows = []
     seed = args.seed
     try:
-        warm = [make_prompt(tokenizer, words, args.prompt_tokens, seed)]
-        run(warm, 1)  # compile / graph capture / connection set-up out of the figures
+        # Kernel compilation (the prefill shapes of the largest level too), graph capture and
+        # connection set-up out of the figures: the largest level once, with a few tokens each.
+        top = max(levels)
+        warm = [make_prompt(tokenizer, words, args.prompt_tokens, -1 - i) for i in range(top)]
+        run(warm, top, min(4, args.max_tokens))
         for c in levels:
             n = c * args.requests_per_worker
             # distinct prompts: no prefix-cache hits between requests of a level or across them
@@ -266,7 +269,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
             ]
             seed += n + 1
-            timings, start, end = run(prompts, c)
+            timings, start, end = run(prompts, c, args.max_tokens)
             row = summarize(timings, start, end, c, args.max_tokens)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
