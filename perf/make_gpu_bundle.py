@@ -36,12 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # What tritonclient's gRPC client needs (its wheel's Requires-Dist: the base list plus the grpc
 # extra), taken at the versions installed in this venv, where they are known to work together.
-# numpy too: the device has numpy 2, and the Python backend stub (built against numpy 1, which
-# nvidia-pytriton pins) reads every BYTES input as garbage under numpy 2 ("unpack_from requires a
-# buffer of at least 33686022 bytes" on the first request, then the stub dies).
-CLIENT_DEPS = (
-    "grpcio", "protobuf", "python-rapidjson", "urllib3", "packaging", "ml-dtypes", "numpy"
-)  # fmt: skip
+# numpy is present on the device.
+CLIENT_DEPS = ("grpcio", "protobuf", "python-rapidjson", "urllib3", "packaging", "ml-dtypes")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 
