@@ -389,7 +389,10 @@ def phases(records: list[StepRecord], ceil: Ceilings, batch: int = 1) -> dict[st
         "prefill": None,
     }
     if pre:
-        s = sum(r.seconds for r in pre)
+        # The device's time (CUDA events): with overlap a prefill step's own launch (metadata,
+        # kernel compilation on first use) runs inside the step before, so wall intervals
+        # would charge it to the decode step it overlaps.
+        s = sum(r.device_seconds or r.seconds for r in pre)
         toks = sum(r.tokens for r in pre)
         flops = sum(ceil.prefill_flops(r) for r in pre)
         out["prefill"] = dict(

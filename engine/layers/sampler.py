@@ -242,7 +242,8 @@ class Sampler(torch.nn.Module):
         if info.suppressed is not None:
             if penalized is raw:
                 penalized = raw.clone()
-            penalized[info.suppressed] = float("-inf")
+            # NOTE: a Python float as the value would be copied to the device synchronously.
+            penalized.index_put_(info.suppressed, penalized.new_full((1,), float("-inf")))
 
         if info.all_greedy:
             next_ids = torch.argmax(penalized, dim=-1)
