@@ -49,6 +49,9 @@ class TritonPythonModel:
         self.lifecycle = ServerLifecycle(grace_from_env())  # before the load: a stop drains too
         self.disconnects = HttpDisconnects.of_parent()
         config = load_engine_config(model_dir / args["model_version"] / "model.json", repo_root)
+        # numpy's version and place: the stub's own numpy code breaks under numpy 2 when it was
+        # built for numpy 1 (docs/SERVING.md, "On the H200").
+        pb_utils.Logger.log_info(f"llm: numpy {np.__version__} from {np.__file__}")
         pb_utils.Logger.log_info(f"llm: starting the engine with {config}")
         self.engine = AsyncEngine(config)
         labels = {"model": args["model_name"], "version": args["model_version"]}
