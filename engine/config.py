@@ -127,6 +127,7 @@ def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+ABSORBED_WEIGHT_DTYPES = ("auto", "fp8_e4m3")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
@@ -143,6 +144,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": cuda when available, else cpu
     kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8_e4m3"
+    # MLA's absorbed W_UK / W_UV (w_kc, w_vc) at decode: "auto" (model dtype) or "fp8_e4m3"
+    # (quantized at load time, per-output-channel fp32 scales; engine/layers/fp8_bmm.py).
+    absorbed_weight_dtype: str = "auto"
     page_size: int = 1
     mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
     max_total_tokens: int | None = None  # KV slots; None: measured (CUDA) or 16384 (CPU)
@@ -185,6 +189,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.absorbed_weight_dtype not in ABSORBED_WEIGHT_DTYPES:
+            raise ConfigError(
+                f"absorbed_weight_dtype must be one of {ABSORBED_WEIGHT_DTYPES}, "
+                f"got {self.absorbed_weight_dtype!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
