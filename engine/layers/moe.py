@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
-from engine.kernels.custom_ops import fused_moe, moe_router
+from engine.kernels.custom_ops_moe import fused_moe, moe_router
 from engine.kernels.fused_moe import SharedExperts
 
 

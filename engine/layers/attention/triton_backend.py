@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.kernels.custom_ops import gqa_decode, mla_decode, store_kv, store_mla_kv
+from engine.kernels.custom_ops_attention import gqa_decode, mla_decode, store_kv, store_mla_kv
 from engine.kernels.extend import extend_attention, ragged_attention
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.torch_native import TorchNativeBackend, TorchNativeMetadata

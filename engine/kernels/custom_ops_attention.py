@@ -1,0 +1,246 @@
+"""The KV-pool stores and the decode attention kernels as torch custom ops (see
+`engine.kernels.custom_ops`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.kernels import gqa_decode as _gqa_decode
+from engine.kernels import kv_store as _kv_store
+from engine.kernels import mla_decode as _mla_decode
+from engine.kernels.custom_ops import tracing as _tracing
+
+
+# ---- KV store and decode attention ----------------------------------------------------------
+@torch.library.custom_op("engine::store_mla_kv", mutates_args=("kv_buffer",))
+def _store_mla_kv_op(
+    kv_buffer: Tensor, loc: Tensor, latent: Tensor, k_scale: Tensor | None
+) -> None:
+    _kv_store.store_mla_kv(kv_buffer, loc, latent, k_scale)
+
+
+@_store_mla_kv_op.register_fake
+def _(kv_buffer: Tensor, loc: Tensor, latent: Tensor, k_scale: Tensor | None) -> None:
+    return None
+
+
+@torch.library.custom_op("engine::store_kv", mutates_args=("k_buffer", "v_buffer"))
+def _store_kv_op(
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    loc: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> None:
+    _kv_store.store_kv(k_buffer, v_buffer, loc, k, v, k_scale, v_scale)
+
+
+@_store_kv_op.register_fake
+def _(
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    loc: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+) -> None:
+    return None
+
+
+@torch.library.custom_op("engine::mla_decode", mutates_args=())
+def _mla_decode_op(
+    q: Tensor,
+    kv_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: Tensor | None,
+    max_seq_len: int,
+    page_size: int,
+) -> Tensor:
+    return _mla_decode.mla_decode(
+        q,
+        kv_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_lora_rank,
+        sm_scale,
+        k_scale=k_scale,
+        max_seq_len=max_seq_len,
+        page_size=page_size,
+    )
+
+
+@_mla_decode_op.register_fake
+def _(
+    q: Tensor,
+    kv_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: Tensor | None,
+    max_seq_len: int,
+    page_size: int,
+) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+
+
+@torch.library.custom_op("engine::gqa_decode", mutates_args=())
+def _gqa_decode_op(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    sm_scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    max_seq_len: int,
+) -> Tensor:
+    out = _gqa_decode.gqa_decode(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_seq_len=max_seq_len,
+    )
+    # NOTE: the kernel returns a column slice when v_head_dim is not a power of two; an op's
+    # output may not be a view, so that case is copied.
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@_gqa_decode_op.register_fake
+def _(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    sm_scale: float,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    max_seq_len: int,
+) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v_buffer.shape[2])
+
+
+def store_mla_kv(
+    kv_buffer: Tensor, loc: Tensor, latent: Tensor, k_scale: Tensor | None = None
+) -> None:
+    if _tracing():
+        _store_mla_kv_op(kv_buffer, loc, latent, k_scale)
+    else:
+        _kv_store.store_mla_kv(kv_buffer, loc, latent, k_scale)
+
+
+def store_kv(
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    loc: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    if _tracing():
+        _store_kv_op(k_buffer, v_buffer, loc, k, v, k_scale, v_scale)
+    else:
+        _kv_store.store_kv(k_buffer, v_buffer, loc, k, v, k_scale, v_scale)
+
+
+def mla_decode(
+    q: Tensor,
+    kv_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    *,
+    k_scale: Tensor | None,
+    max_seq_len: int,
+    page_size: int,
+) -> Tensor:
+    """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync)."""
+    if _tracing():
+        return _mla_decode_op(
+            q,
+            kv_buffer,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            kv_lora_rank,
+            sm_scale,
+            k_scale,
+            max_seq_len,
+            page_size,
+        )
+    return _mla_decode.mla_decode(
+        q,
+        kv_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        kv_lora_rank,
+        sm_scale,
+        k_scale=k_scale,
+        max_seq_len=max_seq_len,
+        page_size=page_size,
+    )
+
+
+def gqa_decode(
+    q: Tensor,
+    k_buffer: Tensor,
+    v_buffer: Tensor,
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    seq_lens: Tensor,
+    sm_scale: float,
+    *,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    max_seq_len: int,
+) -> Tensor:
+    """As `engine.kernels.gqa_decode.gqa_decode`; `max_seq_len` is required (no host sync)."""
+    if _tracing():
+        return _gqa_decode_op(
+            q,
+            k_buffer,
+            v_buffer,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            sm_scale,
+            k_scale,
+            v_scale,
+            max_seq_len,
+        )
+    return _gqa_decode.gqa_decode(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        sm_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_seq_len=max_seq_len,
+    )
