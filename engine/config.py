@@ -180,7 +180,7 @@ class EngineConfig:
     debug_checks: bool = False  # run the KV-slot integrity check whenever the engine is idle
     # The overlap schedule: step n+1 is queued on the device before step n's tokens are
     # processed, so scheduling, detokenizing and streaming run while the device computes. None:
-    # on with CUDA. True runs it on a CPU as well (nothing is hidden there). Off with tp_size > 1.
+    # on with CUDA (any tp_size). True runs it on a CPU as well (nothing is hidden there).
     enable_overlap: bool | None = None
 
     def __post_init__(self) -> None:

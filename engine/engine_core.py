@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
-from engine.executor.model_runner import LaunchedStep, ModelRunner, SampleRequest
+from engine.executor.launched_step import LaunchedStep, SampleRequest
+from engine.executor.model_runner import ModelRunner
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Req
@@ -83,15 +84,12 @@ class EngineCore:
         self.last_wait_s = 0.0  # seconds the last step() waited for the device (benchmarks)
 
     def _use_overlap(self) -> bool:
-        """`enable_overlap`; None (auto) means on a GPU. NOTE: not with tensor parallelism: the
-        workers embed the input ids themselves, and only rank 0 holds the sampled ids that a
-        placeholder stands for."""
+        """`enable_overlap`; None (auto) means on a GPU, with or without tensor parallelism (rank
+        0 broadcasts placeholder inputs to the workers on the device: ModelRunner
+        `_resolve_placeholders`)."""
         enabled = self.config.enable_overlap
         if enabled is None:
             enabled = self.runner.device.type == "cuda"
-        if enabled and self.config.tp_size > 1:
-            logger.info("overlap schedule off: not supported with tp_size > 1")
-            return False
         return enabled
 
     # ---- inputs ------------------------------------------------------------------------------

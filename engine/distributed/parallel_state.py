@@ -17,6 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.config import ConfigError
+from engine.distributed.comm_ops import (
+    register_group,
+    tp_all_gather,
+    tp_all_reduce,
+    unregister_group,
+)
 from engine.distributed.sharding import shard_range
 
 # Collectives and the start-up rendezvous fail after this long (a rank died or hangs).
@@ -30,6 +36,8 @@ class CommGroup(Protocol):
     def allreduce(self, tensors: list[torch.Tensor], *opts: Any) -> Any: ...
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> Any: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any: ...
 
 
 @dataclass
@@ -45,6 +53,8 @@ class ParallelState:
     group: CommGroup | None = None
     # Rank 0 hosts the TCPStore server; it must outlive the group.
     store: dist.Store | None = field(default=None, repr=False)
+    # The group's name for the custom ops that compiled code calls (engine/distributed/comm_ops.py).
+    group_name: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +73,24 @@ class ParallelState:
         """Sum `x` over the ranks, in place; returns `x`."""
         if self.group is None:
             return x
+        if torch.compiler.is_compiling():  # dynamo cannot trace into the group
+            tp_all_reduce(x, self.group_name)
+            return x
         self.group.allreduce([x]).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` on every rank, written into `x` (contiguous); returns `x`.
+
+        On CUDA (NCCL) the wait only orders the current stream after the broadcast: the host
+        does not wait for the device."""
+        if self.group is None:
+            return x
+        assert x.is_contiguous()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.group.broadcast([x], opts).wait()
         return x
 
     def all_gather(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -77,8 +104,11 @@ class ParallelState:
         if x.shape[-1] < width:
             x = F.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self.group.allgather([parts], [x]).wait()
+        if torch.compiler.is_compiling():
+            parts = list(tp_all_gather(x, self.group_name, self.world_size).unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            self.group.allgather([parts], [x]).wait()
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
 
     def min_int(self, value: int, device: torch.device) -> int:
@@ -93,6 +123,7 @@ class ParallelState:
 
     def close(self) -> None:
         """Drop the group (its connections close when the last reference goes)."""
+        unregister_group(self.group_name)
         self.group = None
         self.store = None
 
@@ -121,7 +152,7 @@ def init_parallel_state(
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, GROUP_TIMEOUT)
-    return ParallelState(rank, world_size, cast(CommGroup, group), store)
+    return ParallelState(rank, world_size, cast(CommGroup, group), store, register_group(group))
 
 
 def host_store(world_size: int) -> dist.TCPStore:

@@ -9,24 +9,24 @@ hands them every batch before running its own share; its logits are the full (al
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-import traceback
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import NamedTuple
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.distributed.parallel_state import ParallelState, init_parallel_state
+from engine.distributed.parallel_state import ParallelState
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
 from engine.executor.compile import CompiledDecode
 from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_graphs
+from engine.executor.device import resolve_device, resolve_dtype
 from engine.executor.device_lock import DEVICE_LOCK
+from engine.executor.launched_step import LaunchedStep, SampleRequest, StepOutput
 from engine.executor.loader import load_weights
+from engine.executor.tp_worker import check_tp_split, worker_main
 from engine.forward_batch import ForwardBatch, ForwardContext
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
@@ -40,43 +40,11 @@ from engine.layers.sampler import (
 )
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
 from engine.models.registry import build_model
-from engine.sampling_params import SamplingParams
 from engine.scheduler.batch import ForwardMode, ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device of tensor-parallel `rank`: on CUDA the rank-th GPU from the configured one."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    index = (device.index or 0) + rank
-    if rank and index >= torch.cuda.device_count():
-        raise RuntimeError(
-            f"tensor-parallel rank {rank} needs GPU {index}; {torch.cuda.device_count()} visible"
-        )
-    return torch.device("cuda", index) if rank or device.index is not None else device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def check_tp_split(mc: ModelConfig, tp_size: int) -> None:
-    """Raise ConfigError now if `tp_size` ranks cannot share the model's heads."""
-    rank0 = ParallelState(0, tp_size)
-    if mc.is_mla:
-        rank0.shard(mc.num_attention_heads, "attention heads")
-    else:
-        rank0.shard(mc.num_key_value_heads, "KV heads")
 
 
 @contextlib.contextmanager
@@ -87,66 +55,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-@dataclass
-class SampleRequest:
-    """What sampling needs to know of one request in a step (plain values, no tensors)."""
-
-    rid: str
-    params: SamplingParams
-    history: list[int]  # prompt + output ids so far; only read with repetition_penalty
-    suppressed_ids: list[int]  # ids it may not produce this step (EOS below min_tokens)
-
-
-class StepOutput(NamedTuple):
-    next_token_ids: list[int]  # one per sampled row
-    logprobs: list[float] | None  # raw logprob of each chosen token, when any row asked
-    seconds: float = 0.0  # device time of the step (wall time on a CPU)
-
-
-class LaunchedStep:
-    """A step queued on the device (SGLang's overlap schedule, in its light form).
-
-    Its sampled ids (and logprobs) travel to pinned host memory in a non-blocking copy that an
-    event follows; `result()` waits for that event, the step's one synchronization. On a CPU
-    the step has run by the time it is launched and `result()` only converts.
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        next_ids: torch.Tensor | None,
-        logprobs: torch.Tensor | None,
-        started: torch.cuda.Event | None,
-        t0: float,
-    ) -> None:
-        self._ids = _to_host(next_ids)
-        self._logprobs = _to_host(logprobs)
-        self._started = started
-        self._done: torch.cuda.Event | None = None
-        if started is not None:
-            self._done = torch.cuda.Event(enable_timing=True)
-            self._done.record(torch.cuda.current_stream(device))
-        self._wall_s = time.perf_counter() - t0
-
-    def result(self) -> StepOutput:
-        """The sampled ids, once the device has produced and copied them."""
-        seconds = self._wall_s
-        if self._done is not None and self._started is not None:
-            self._done.synchronize()
-            seconds = self._started.elapsed_time(self._done) / 1e3
-        ids = [] if self._ids is None else self._ids.tolist()
-        logprobs = None if self._logprobs is None else self._logprobs.tolist()
-        return StepOutput(ids, logprobs, seconds)
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """`t` on the host: a non-blocking copy into pinned memory from a GPU."""
-    if t is None or t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -171,7 +79,8 @@ class ModelRunner:
         self.workers: TPWorkers | None = None
         if parallel is None and config.tp_size > 1:
             check_tp_split(self.model_config, config.tp_size)  # before starting any process
-            self.workers, parallel = start_tp_group(config, self.device, worker_main)
+            target = functools.partial(worker_main, ModelRunner)  # pickled by reference
+            self.workers, parallel = start_tp_group(config, self.device, target)
             weakref.finalize(self, self.workers.shutdown)
         self.parallel = parallel or ParallelState()
         self.sampler = Sampler()
@@ -193,6 +102,7 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(mc, self.parallel)
         self.model.to(self.device)  # buffers made from CPU tensors (RoPE frequencies)
+        self.model.set_absorbed_weight_dtype(config.absorbed_weight_dtype, self.device)
         load_weights(self.model, mc.path, mc.num_hidden_layers)
         self.model.eval()
 
@@ -287,15 +197,10 @@ class ModelRunner:
         return True
 
     def _compile_config(self) -> EngineConfig | None:
-        """The config when the decode forward is to be compiled, else None.
-
-        NOTE: not with tensor parallelism yet (the all-reduces would have to be traced)."""
-        if not self.config.enable_torch_compile:
-            return None
-        if self.parallel.world_size > 1:
-            logger.info("torch.compile off: not supported with tp_size > 1 yet")
-            return None
-        return self.config
+        """The config when the decode forward is to be compiled, else None. With tensor
+        parallelism every rank compiles the same sizes; the collectives trace as custom ops
+        (engine/distributed/parallel_state.py)."""
+        return self.config if self.config.enable_torch_compile else None
 
     def _kv_slots(self) -> int:
         """How many token slots the KV pool gets: configured, or what fits in device memory."""
@@ -395,12 +300,21 @@ class ModelRunner:
 
     def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
         """Input id -(k + 1) is the k-th token sampled by the latest launched step, whose value
-        the host does not know yet (the overlap schedule): read it on the device."""
-        if self.workers is not None:
-            raise RuntimeError("placeholder input ids with tensor parallelism (workers embed)")
-        assert self._last_sampled is not None, "a placeholder input id, but no sampled step"
-        future = self._last_sampled[(-ids - 1).clamp_min(0)]
-        return torch.where(ids < 0, future, ids)
+        the host does not know yet (the overlap schedule): read it on the device.
+
+        NOTE: with tensor parallelism only rank 0 samples, so only it holds those ids. It
+        resolves them and broadcasts the batch's input ids to the other ranks, on the device and
+        in stream order (NCCL's wait makes the compute stream wait, not the host), before every
+        rank embeds them. Chosen over broadcasting the sampled ids after each sampling: only
+        steps that read a placeholder pay for it, the broadcast's size (the batch's tokens) is
+        in the message every rank already has, and unseeded sampling needs no generators kept
+        in lockstep across ranks (a sampler run on every rank would).
+        """
+        if self.parallel.rank == 0:
+            assert self._last_sampled is not None, "a placeholder input id, but no sampled step"
+            future = self._last_sampled[(-ids - 1).clamp_min(0)]
+            ids = torch.where(ids < 0, future, ids)
+        return self.parallel.broadcast(ids, src=0)
 
     @torch.inference_mode()
     def launch(
@@ -455,33 +369,3 @@ class ModelRunner:
         )
         history = [r.history for r in requests] if info.penalized_rows else None
         return self.sampler(logits, info, history)
-
-
-def worker_main(
-    config: EngineConfig, rank: int, port: int, conn: Connection, num_threads: int
-) -> None:
-    """The body of tensor-parallel worker `rank`, a process that engine/distributed/workers.py
-    starts: join the group, build this rank's runner, then run every batch rank 0 sends until
-    told to stop."""
-    torch.set_num_threads(num_threads)
-    try:
-        conn.send(("hello", None))
-        device = resolve_device(config.device, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        parallel = init_parallel_state(rank, config.tp_size, port, device)
-        runner = ModelRunner(config, parallel=parallel)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except EOFError:  # rank 0 is gone
-            break
-        if not data:  # rank 0's stop message
-            break
-        batch, all_logits = ScheduledBatch.from_bytes(data)
-        runner.forward(batch, all_logits)
-    parallel.close()
