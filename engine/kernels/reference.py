@@ -15,6 +15,7 @@ from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.layers.activation import silu_and_mul_native
 from engine.layers.attention.torch_native import causal_attention as _native_causal_attention
+from engine.layers.fp8_bmm import bmm_fp8_native
 from engine.layers.moe import append_shared_experts, moe_forward_native, select_experts_native
 from engine.layers.norm import fused_add_rms_norm_native, rms_norm_native
 from engine.layers.rotary import apply_rope_native, rope_cos_sin
@@ -357,3 +358,12 @@ def mla_preamble_ref(
         positions, q_pe, k_pe.unsqueeze(1), inv_freq, attention_scaling, interleaved
     )
     return torch.cat([c_kv, k_rot.squeeze(1)], dim=-1), q_rot
+
+
+# ---- FP8 batched matmul (MLA's absorbed weights) ---------------------------------------------
+
+
+def bmm_fp8_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference for `bmm_fp8`: x [H, B, K] @ e4m3 w [H, K, N] per head, times scale [H, N]
+    -> [H, B, N] fp32 (the engine's torch path, without the final rounding)."""
+    return bmm_fp8_native(x.float(), w, scale)

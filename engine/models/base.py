@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
 from engine.forward_batch import ForwardBatch
@@ -59,6 +59,15 @@ class CausalLM(nn.Module):
 
     def post_load(self) -> None:
         """Derive weights after loading (MLA's absorbed projections, tied heads)."""
+
+    def set_absorbed_weight_dtype(self, name: str, device: torch.device) -> None:
+        """`EngineConfig.absorbed_weight_dtype`, set before loading. Only MLA models have
+        absorbed weights (W_UK, W_UV): the others accept nothing but "auto"."""
+        if name != "auto":
+            raise ConfigError(
+                f"absorbed_weight_dtype={name!r} applies to MLA models (DeepSeek-V2/V3) only; "
+                f"{type(self).__name__} has no absorbed weights"
+            )
 
 
 class MergedWeights(nn.Module):

@@ -27,9 +27,11 @@ from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
 from engine.forward_batch import ForwardBatch
-from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.kernels.custom_ops import mla_preamble
+from engine.kernels.custom_ops_fp8 import bmm_fp8
+from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.layers.attention.base import AttentionLayer
+from engine.layers.fp8_bmm import bmm_fp8_native, check_fp8_absorbed_weights, quantize_per_channel
 from engine.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -109,9 +111,14 @@ class MLAAttention(MergedWeights):
         scaling = mla_softmax_scale(hf, qk_head_dim)
         self.attn_mha = AttentionLayer(layer_id, h, h, qk_head_dim, self.v_head_dim, scaling)
         self.attn_mqa = AttentionLayer(layer_id, h, 1, r + self.qk_rope_head_dim, r, scaling)
-        # Filled by post_load from kv_b_proj: W_UK [H, nope, r] and W_UV [H, v, r].
+        # Filled by post_load from kv_b_proj: W_UK [H, nope, r] and W_UV [H, v, r]; with
+        # `fp8_absorbed` (absorbed_weight_dtype="fp8_e4m3") both in e4m3, with fp32 scales per
+        # output channel of their GEMM: [H, r] for w_kc, [H, v] for w_vc.
         self.w_kc = torch.empty(0)
         self.w_vc = torch.empty(0)
+        self.fp8_absorbed = False
+        self.w_kc_scale: torch.Tensor | None = None
+        self.w_vc_scale: torch.Tensor | None = None
         # Tests flip this to run prefill through the absorbed path too.
         self.absorb_extend = False
         # "auto": the preamble kernel (latent norm + RoPE) and in-place query assembly on CUDA,
@@ -141,6 +148,10 @@ class MLAAttention(MergedWeights):
         w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()
         self.w_vc = w[:, self.qk_nope_head_dim :].contiguous()
+        self.w_kc_scale = self.w_vc_scale = None
+        if self.fp8_absorbed:  # the bf16 copies are dropped (prefill reads kv_b_proj)
+            self.w_kc, self.w_kc_scale = quantize_per_channel(self.w_kc, reduce_dim=1)
+            self.w_vc, self.w_vc_scale = quantize_per_channel(self.w_vc, reduce_dim=2)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
@@ -160,7 +171,7 @@ class MLAAttention(MergedWeights):
             q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
             latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + rope]
             if absorbed:
-                q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
+                q_latent = self._q_latent_native(q_nope)
                 q_abs = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + rope]
                 out = self._attend_absorbed(q_abs, latent, fb, fused=False)
             else:
@@ -195,11 +206,23 @@ class MLAAttention(MergedWeights):
         )
         if q_abs is None:
             return self._forward_decompressed(q_nope, q_pe, latent.unsqueeze(1), fb)
+        x, dst = q_nope.transpose(0, 1), q_abs[..., :r].transpose(0, 1)  # [H, T, nope], [H, T, r]
         if torch.compiler.is_compiling():  # dynamo traces no `out=` into a strided view
-            q_abs[..., :r] = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
+            if self.w_kc_scale is not None:
+                dst.copy_(bmm_fp8(x, self.w_kc, self.w_kc_scale))
+            else:
+                q_abs[..., :r] = torch.bmm(x, self.w_kc).transpose(0, 1)
+        elif self.w_kc_scale is not None:
+            bmm_fp8(x, self.w_kc, self.w_kc_scale, out=dst)
         else:
-            torch.bmm(q_nope.transpose(0, 1), self.w_kc, out=q_abs[..., :r].transpose(0, 1))
+            torch.bmm(x, self.w_kc, out=dst)
         return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
+
+    def _q_latent_native(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope] @ W_UK per head -> [T, H, r] (the torch path)."""
+        if self.w_kc_scale is None:
+            return torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
+        return bmm_fp8_native(q_nope.transpose(0, 1), self.w_kc, self.w_kc_scale).transpose(0, 1)
 
     def _attend_absorbed(
         self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch, fused: bool
@@ -207,13 +230,19 @@ class MLAAttention(MergedWeights):
         """q [T, H, r + rope] over the latent rows; W_UV applied to the output -> [T, H, v]
         (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is)."""
         out_latent = self.attn_mqa(q, latent, None, fb)  # [T, H, r]
+        x, w_vc_t, scale = out_latent.transpose(0, 1), self.w_vc.transpose(1, 2), self.w_vc_scale
         if not fused:
-            return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
-        w_vc_t = self.w_vc.transpose(1, 2)
+            if scale is None:
+                return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
+            return bmm_fp8_native(x, w_vc_t, scale).transpose(0, 1)
         if torch.compiler.is_compiling():  # as above
-            return torch.bmm(out_latent.transpose(0, 1), w_vc_t).transpose(0, 1).contiguous()
+            y = torch.bmm(x, w_vc_t) if scale is None else bmm_fp8(x, w_vc_t, scale)
+            return y.transpose(0, 1).contiguous()
         out = out_latent.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
-        torch.bmm(out_latent.transpose(0, 1), w_vc_t, out=out.transpose(0, 1))
+        if scale is None:
+            torch.bmm(x, w_vc_t, out=out.transpose(0, 1))
+        else:
+            bmm_fp8(x, w_vc_t, scale, out=out.transpose(0, 1))
         return out
 
     def _forward_decompressed(
@@ -340,6 +369,14 @@ class DeepseekV2ForCausalLM(DecoderOnlyLM):
         super().post_load()
         for attn in self.mla_layers():
             attn.post_load()
+
+    def set_absorbed_weight_dtype(self, name: str, device: torch.device) -> None:
+        """Before loading: "fp8_e4m3" makes post_load quantize every layer's w_kc and w_vc."""
+        if name == "auto":
+            return
+        check_fp8_absorbed_weights(device)
+        for attn in self.mla_layers():
+            attn.fp8_absorbed = True
 
     def set_absorb_extend(self, enabled: bool) -> None:
         for attn in self.mla_layers():
