@@ -15,7 +15,12 @@ One run (under 8 minutes on one H200):
 - a torch.profiler summary of batch-1 and batch-16 decode steps (kernels, GPU time, wall time);
 - per step, the host's busy time (a step's wall time less the time it waited for the device)
   and the device's time (CUDA events around the step); `--overlap-compare` adds batch-1 decode
-  with the overlap schedule the other way round (`--overlap` sets it for every engine).
+  with the overlap schedule the other way round (`--overlap` sets it for every engine);
+- `--fp8-absorb-compare` (issue 12 item 7): an engine with absorbed_weight_dtype="fp8_e4m3"
+  (MLA's w_kc and w_vc in e4m3, bf16 KV, the default graphs), run after the bf16 engine:
+  batch-1 decode and the `--fp8-absorb-ns` request counts (default 64), each beside the bf16
+  engine's figure of the same N (its ceilings are the bf16 engine's: the e4m3 weights save
+  27 x 2 MiB of the ~4.9 GB a batch-1 step reads, about 1%).
 
 Phases are timed from outside the engine: `EngineCore.step` and `Scheduler.schedule` are wrapped
 on the instances (classified by the batch's mode). Without overlap each step runs between two
@@ -32,6 +37,8 @@ row, and causal attention (QK and PV over every (query, key) pair of each head).
 
     python3 perf/bench_engine.py --json /tmp/bench_engine.json            # the full run (GPU)
     python3 perf/bench_engine.py --quick --ns 1,16                        # a shorter one
+    python3 perf/bench_engine.py --kv bf16 --ns 1,64 --skip-compile --profile-ns "" \
+        --fp8-absorb-compare                                              # FP8 absorbed weights
     .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
 
 On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would end
@@ -527,6 +534,29 @@ class Bench:
             del llm
             self.release()
 
+    def fp8_absorb_engine(self) -> dict[str, Any]:
+        """absorbed_weight_dtype="fp8_e4m3", an engine of its own (bf16 KV, the default graphs):
+        batch-1 decode and the `--fp8-absorb-ns` runs."""
+        t0 = time.perf_counter()
+        try:
+            llm = self.make_llm(absorbed_weight_dtype="fp8_e4m3")
+        except ConfigError as e:
+            return {"unavailable": str(e)}
+        out: dict[str, Any] = dict(engine_s=time.perf_counter() - t0, runs=[])
+        try:
+            graphs = getattr(llm.core.runner, "graph_runner", None) is not None
+            out["batch1_name"] = f"{'graphs' if graphs else 'default'}_bf16_fp8absorb"
+            ceil = self.ceilings(llm, "bf16")
+            out["batch1"] = self.batch1(llm, ceil)
+            for n in self.args.fp8_absorb_ns_list:
+                out["runs"].append(dict(kv="bf16", **self.run_n(llm, n, ceil)))
+                say("fp8 absorbed weights: " + row(out["runs"][-1]))
+            return out
+        finally:
+            llm.shutdown()
+            del llm
+            self.release()
+
     def compile_engine(self, layers: str) -> dict[str, Any]:
         """Graphs + torch.compile (torch_compile_layers=`layers`), an engine of its own with
         graphs and compile up to batch COMPILE_MAX_BS: its start-up time (compilation and
@@ -646,18 +676,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     compile_layers = [] if args.skip_compile else [x for x in args.compile_layers.split(",") if x]
     tasks = 1 + len(compile_layers) + int(args.overlap_compare) + sum(per_engine.values())
+    tasks += int(args.fp8_absorb_compare)
     bar = tqdm(total=tasks, desc="bench_engine", unit="task")
 
     took: dict[str, float] = result["task_s"]
 
-    def task(name: str, fn: Callable[[], Any], like: str | None = None) -> Any:
+    def task(
+        name: str, fn: Callable[[], Any], like: str | None = None, expected_s: float = 0.0
+    ) -> Any:
         """Run one measurement unless it would end after the time budget (it is expected to
-        take as long as the task `like` took). An error is recorded and the run goes on (a CUDA
-        error that breaks the device then fails the later tasks too)."""
+        take as long as the task `like` took, plus `expected_s`). An error is recorded and the
+        run goes on (a CUDA error that breaks the device then fails the later tasks too)."""
         bar.set_description(name)
         t0 = time.perf_counter()
         try:
-            if bench.over_budget(took.get(like or "", 0.0)):
+            if bench.over_budget(took.get(like or "", 0.0) + expected_s):
                 result["skipped"].append(name)
                 return None
             return fn()
@@ -730,6 +763,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llm.shutdown()
             del llm
             bench.release()
+    if args.fp8_absorb_compare:  # as long as the bf16 engine's start, batch 1 and same Ns took
+        like = ["bf16 engine", "bf16 batch 1", *(f"bf16 N={n}" for n in args.fp8_absorb_ns_list)]
+        f = result["fp8_absorb"] = task(
+            "fp8 absorbed weights",
+            bench.fp8_absorb_engine,
+            expected_s=sum(took.get(k, 0.0) for k in like),
+        )
+        if f and "batch1" in f:
+            result["batch1"][f["batch1_name"]] = f["batch1"]
     bar.close()
     save()
     return result
@@ -808,10 +850,45 @@ def report(res: dict[str, Any]) -> str:
         )
         for k in p["top_kernels"][:5]:
             lines.append(f"    {k['ms_per_step']:7.3f} ms {k['per_step']:6.1f}x  {k['name'][:70]}")
+    lines += fp8_absorb_report(res)
     if res["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(res['skipped'])}")
     lines.append(f"total {res['total_s']:.0f} s")
     return "\n".join(lines)
+
+
+def fp8_absorb_report(res: dict[str, Any]) -> list[str]:
+    """The FP8 absorbed-weights engine's rows, each with the bf16 engine's decode step time
+    at the same N (bf16 KV) and the ratio."""
+    f = res.get("fp8_absorb")
+    if not f:
+        return []
+    if "runs" not in f:
+        return [f"fp8 absorbed weights: {f}"]
+    lines = [
+        f"fp8 absorbed weights (w_kc, w_vc in e4m3; bf16 KV): engine start {f['engine_s']:.0f} s"
+    ]
+    base_b1 = next(
+        (d for k, d in res["batch1"].items() if k in ("graphs_bf16", "default_bf16") and d), None
+    )
+    runs = [dict(f["batch1"], n=1, batch1=True)] if f.get("batch1") else []
+    runs += f["runs"]
+    for r in runs:
+        if r.get("batch1"):
+            ours, base = r.get("ms_per_step_median"), (base_b1 or {}).get("ms_per_step_median")
+            label = "batch 1 (median step)"
+        else:
+            ours = (r.get("decode_full") or {}).get("ms_per_step")
+            same = [x for x in res["runs"] if x["kv"] == "bf16" and x["n"] == r["n"]]
+            base = (same[0].get("decode_full") or {}).get("ms_per_step") if same else None
+            label = f"N={r['n']} (decode phase)"
+        ratio = f"{base / ours:.3f}x" if ours and base else "-"
+        lines.append(
+            f"    {label:<22} fp8 {_f(ours, '.3f')} ms/step, bf16 {_f(base, '.3f')} ms/step, "
+            f"speed-up {ratio}"
+        )
+    lines += [row(r) for r in f["runs"]]
+    return lines
 
 
 def _git(*cmd: str) -> str:
@@ -876,6 +953,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also batch-1 decode with the overlap schedule flipped (its own engine)",
     )
+    ap.add_argument(
+        "--fp8-absorb-compare",
+        action="store_true",
+        help="also an engine with absorbed_weight_dtype=fp8_e4m3: batch 1 and --fp8-absorb-ns",
+    )
+    ap.add_argument("--fp8-absorb-ns", default="64", help="request counts of that engine")
     ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; see above")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
     ap.add_argument("--json", help="write the results here (rewritten after every task)")
@@ -887,10 +970,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         a.ns_list = [1, 16, 64] if a.quick else [1, 16, 64, 128, 256]
     a.compile_ns_list = [int(x) for x in a.compile_ns.split(",") if x]
+    a.fp8_absorb_ns_list = [int(x) for x in a.fp8_absorb_ns.split(",") if x]
     a.prompt_len = a.prompt_len or (32 if a.tiny else 512)
     a.max_tokens = a.max_tokens or (8 if a.tiny else 64 if a.quick else 256)
     a.b1_tokens = a.b1_tokens or (8 if a.tiny else 64)
-    a.max_running = a.max_running or max(64, *a.ns_list)
+    a.max_running = a.max_running or max(64, *a.ns_list, *a.fp8_absorb_ns_list)
     return a
 
 

@@ -37,6 +37,7 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     argv += ["--profile-steps", "2", "--out", str(tmp_path / "ckpt"), "--json", str(out)]
     argv += ["--overlap", "on", "--overlap-compare"]  # overlapped timing, and the serial one
     argv += ["--compile-ns", "3", "--compile-backend", "aot_eager"]  # compiled, no codegen
+    argv += ["--fp8-absorb-compare", "--fp8-absorb-ns", "3"]  # FP8 w_kc / w_vc engine
     threads = torch.get_num_threads()
     try:
         assert bench.main(argv) == 0  # --tiny runs on one thread
@@ -78,6 +79,10 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
         and prof["aten_ops_per_step"] > 0
         and prof["wall_ms_per_step"] > 0
     )
+    fp8 = res["fp8_absorb"]
+    assert res["batch1"]["default_bf16_fp8absorb"]["ms_per_step_median"] > 0
+    assert [r["n"] for r in fp8["runs"]] == [3] and fp8["runs"][0]["decode_full"]["steps"] == 3
+    assert "speed-up" in "\n".join(bench.fp8_absorb_report(res))
     assert not res["skipped"]
     # A second call reuses the checkpoint.
     again = bench.write_checkpoint(tmp_path / "ckpt", 2, True, "cpu")
