@@ -134,15 +134,14 @@ def test_tp2_overlap_equals_serial_and_tp1(tiny_mla) -> None:
 
 def test_tp2_overlap_default_model_uneven_split(default_model: str) -> None:
     """SmolLM2 (9 query heads: 6 + 3 over 2 ranks, the vocabulary split unevenly): greedy with
-    overlap over 2 ranks equals TP=1, with retraction in a small pool."""
-    prompts = _prompts(5, seed=23)
-    plist = [
-        SamplingParams(max_tokens=6 + 3 * (i % 2), ignore_eos=True, **GREEDY) for i in range(5)
-    ]
-    expected = [o.token_ids for o in _llm(default_model, 1, False).generate(prompts, plist)]
-    llm = _llm(default_model, 2, True, max_total_tokens=160, max_running_requests=5)
+    overlap over 2 ranks equals TP=1, with retraction in a pool too small for everyone."""
+    prompts = [p for p in _prompts(6, seed=23) if len(p) < 60]  # 105 prompt tokens
+    params = SamplingParams(max_tokens=16, ignore_eos=True, **GREEDY)
+    expected = [o.token_ids for o in _llm(default_model, 1, False).generate(prompts, params)]
+    llm = _llm(default_model, 2, True, max_total_tokens=128, max_running_requests=4)
     try:
-        assert [o.token_ids for o in llm.generate(prompts, plist)] == expected
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.core.scheduler.counters.retractions > 0
         _check_idle(llm)
     finally:
         llm.core.shutdown()
