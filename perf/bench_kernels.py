@@ -1,6 +1,8 @@
-"""Kernel benchmarks on one GPU: MLA decode against FlashMLA, fused MoE against a per-expert loop.
+"""Kernel benchmarks on one GPU: MLA decode against FlashMLA, fused MoE against a per-expert loop,
+the FP8 batched matmul of MLA's absorbed weights against bf16 `torch.bmm`.
 
 Run on the device (H200):  python3 perf/bench_kernels.py [--tune] [--no-moe] [--out DIR]
+                           python3 perf/bench_kernels.py --fp8-bmm-only [--tune-fp8-bmm]
 FlashMLA comes from the `sgl-flash-mla` wheel (carried; the MLA table skips it when missing).
 
 Every time is a CUDA-graph replay of `--calls` back-to-back calls (launch gaps hidden), median
@@ -484,6 +486,74 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
             print(f"TUNE_MOE t={t} {gemm} (n={n}): {top}", flush=True)
 
 
+FP8_BMM_BATCHES = (1, 16, 64, 256)
+
+
+def bench_fp8_bmm(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> str:
+    """V2-Lite's absorbed GEMMs (16 heads) as the model calls them: W_UK, x [B, H, 128] @
+    w_kc [H, 128, 512] into a [B, H, 512] view; W_UV, x [B, H, 512] @ w_vc^T (w_vc [H, 128, 512])
+    into [B, H, 128]. bf16 `torch.bmm` against the e4m3 kernel (`--tune-fp8-bmm`: also its best
+    tiles). Bound = bytes moved (weights, scales, x read, out written) / copy bandwidth."""
+    from engine.kernels.fp8_bmm import bmm_fp8
+    from engine.kernels.reference import bmm_fp8_ref
+    from engine.layers.fp8_bmm import quantize_per_channel
+
+    h, nope, v, r = 16, 128, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    w_kc = torch.randn(h, nope, r, device=dev, dtype=bf16, generator=g) / nope**0.5
+    w_vc = torch.randn(h, v, r, device=dev, dtype=bf16, generator=g) / r**0.5
+    q_kc, q_vc = quantize_per_channel(w_kc, 1), quantize_per_channel(w_vc, 2)
+    gemms = {  # name: (K, N, bf16 weight [H, K, N], fp8 weight [H, K, N], scale [H, N])
+        "W_UK": (nope, r, w_kc, q_kc.weight, q_kc.scale),
+        "W_UV": (r, v, w_vc.transpose(1, 2), q_vc.weight.transpose(1, 2), q_vc.scale),
+    }
+    header = (
+        "| GEMM | B | bf16 bmm us | fp8 us | speed-up | fp8 bound us | fp8 % of bound | "
+        "bf16 % of its bound | best tiles (b, n, k) us | rel err |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    rows = []
+    for name, (k, n, w, wq, scale) in gemms.items():
+        for b in args.fp8_bmm_batches:
+            x = torch.randn(b, h, k, device=dev, dtype=bf16, generator=g).transpose(0, 1)
+            out = torch.empty(b, h, n, device=dev, dtype=bf16).transpose(0, 1)
+            t_bf16 = time_graph(functools.partial(torch.bmm, x, w, out=out), args.calls, args.reps)
+            t_fp8 = time_graph(functools.partial(bmm_fp8, x, wq, scale, out), args.calls, args.reps)
+            act = h * b * (k + n) * 2
+            bound_fp8 = (h * k * n + h * n * 4 + act) / (copy_gbs * 1e9)
+            bound_bf16 = (h * k * n * 2 + act) / (copy_gbs * 1e9)
+            err = rel_err(bmm_fp8(x, wq, scale), bmm_fp8_ref(x, wq, scale))
+            best = "-"
+            if args.tune_fp8_bmm:
+                best_t, best_cfg = t_fp8, "default"
+                for bb, bn, bk in _fp8_bmm_tiles(b, k, n):
+                    fn = functools.partial(
+                        bmm_fp8, x, wq, scale, out, block_b=bb, block_n=bn, block_k=bk
+                    )
+                    t = time_graph(fn, args.calls, args.reps)
+                    if t < best_t:
+                        best_t, best_cfg = t, f"({bb}, {bn}, {bk})"
+                best = f"{best_cfg} {best_t * 1e6:.1f}"
+            line = (
+                f"| {name} | {b} | {t_bf16 * 1e6:.1f} | {t_fp8 * 1e6:.1f} | "
+                f"{t_bf16 / t_fp8:.2f}x | {bound_fp8 * 1e6:.2f} | "
+                f"{100 * bound_fp8 / t_fp8:.0f}% | {100 * bound_bf16 / t_bf16:.0f}% | {best} | "
+                f"{err:.1e} |"
+            )
+            print(line, flush=True)
+            rows.append(line)
+            log.append({"fp8_bmm": name, "b": b, "bf16": t_bf16, "fp8": t_fp8, "bound": bound_fp8})
+    return header + "\n" + "\n".join(rows)
+
+
+def _fp8_bmm_tiles(b: int, k: int, n: int) -> list[tuple[int, int, int]]:
+    blocks_b = [x for x in (16, 32, 64) if x <= max(16, b)]
+    blocks_n = [x for x in (16, 32, 64, 128) if x <= n]
+    blocks_k = [x for x in (32, 64, 128, 256) if x <= k]
+    return [(bb, bn, bk) for bb in blocks_b for bn in blocks_n for bk in blocks_k]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tune", action="store_true", help="sweep MLA configs instead of the table")
@@ -493,6 +563,10 @@ def main() -> None:
     )
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--no-fp8-bmm", action="store_true")
+    ap.add_argument("--fp8-bmm-only", action="store_true", help="only the FP8 bmm table")
+    ap.add_argument("--tune-fp8-bmm", action="store_true", help="FP8 bmm: also sweep tiles")
+    ap.add_argument("--fp8-bmm-batches", type=int, nargs="+", default=list(FP8_BMM_BATCHES))
     ap.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
     ap.add_argument("--kinds", nargs="+", default=["ours_bf16", "ours_fp8"], help="for --tune")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
@@ -501,6 +575,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.fp8_bmm_only:
+        args.no_mla = args.no_moe = True
     assert torch.cuda.is_available(), "needs a GPU"
     t0 = time.time()
     log: list[dict[str, Any]] = []
@@ -516,6 +592,8 @@ def main() -> None:
         tables.append(bench_mla(args, copy_gbs, log))
     if not args.no_moe and not args.tune and not args.tune_moe:
         tables.append(bench_moe(args, copy_gbs, log))
+    if not args.no_fp8_bmm and not args.tune and not args.tune_moe:
+        tables.append(bench_fp8_bmm(args, copy_gbs, log))
     print(f"\ntotal {time.time() - t0:.0f} s\n")
     print("\n\n".join(tables))
     os.makedirs(args.out, exist_ok=True)
