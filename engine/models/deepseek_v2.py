@@ -219,10 +219,10 @@ class MLAAttention(MergedWeights):
         return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
 
     def _q_latent_native(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope [T, H, nope] @ W_UK per head -> [T, H, r] (the torch path)."""
+        """q_nope [T, H, nope] @ W_UK per head -> [T, H, r] (the layer's torch path)."""
         if self.w_kc_scale is None:
             return torch.einsum("thn,hnr->thr", q_nope, self.w_kc)
-        return bmm_fp8_native(q_nope.transpose(0, 1), self.w_kc, self.w_kc_scale).transpose(0, 1)
+        return _bmm_fp8_any(q_nope.transpose(0, 1), self.w_kc, self.w_kc_scale).transpose(0, 1)
 
     def _attend_absorbed(
         self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch, fused: bool
@@ -234,7 +234,7 @@ class MLAAttention(MergedWeights):
         if not fused:
             if scale is None:
                 return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)
-            return bmm_fp8_native(x, w_vc_t, scale).transpose(0, 1)
+            return _bmm_fp8_any(x, w_vc_t, scale).transpose(0, 1)
         if torch.compiler.is_compiling():  # as above
             y = torch.bmm(x, w_vc_t) if scale is None else bmm_fp8(x, w_vc_t, scale)
             return y.transpose(0, 1).contiguous()
@@ -257,6 +257,15 @@ class MLAAttention(MergedWeights):
         k = torch.cat([k_nope, kpe_ctx.unsqueeze(1).expand(s, h, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         return fb.attn_backend.forward_extend_ragged(q, k, v, self.attn_mha, fb)
+
+
+def _bmm_fp8_any(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 absorbed GEMM of the layer's torch path: the kernel all the same on CUDA (where
+    torch_compile_layers="native" traces the torch path), since the torch code would upcast the
+    whole weight every call and read more bytes than the bf16 GEMM it replaces."""
+    if x.is_cuda:
+        return bmm_fp8(x, w, scale)
+    return bmm_fp8_native(x, w, scale)
 
 
 class DeepseekMoE(nn.Module):
