@@ -14,7 +14,12 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.executor import compile as tc
 from engine.executor.model_runner import ModelRunner
-from engine.kernels import custom_ops, custom_ops_attention, custom_ops_moe  # noqa: F401
+from engine.kernels import (  # noqa: F401 (the siblings register their ops)
+    custom_ops,
+    custom_ops_attention,
+    custom_ops_fp8,
+    custom_ops_moe,
+)
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(3 + 5 * i)] for i in range(3)]

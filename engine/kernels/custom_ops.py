@@ -6,12 +6,13 @@ sizes, allocates), so a compiled forward would break its graph at every kernel. 
 nothing computed), the kernels are opaque nodes of one graph, and inductor compiles what lies
 between them.
 
-The layers call the functions at the bottom of this module and of its two siblings,
-`custom_ops_moe` (router, fused MoE) and `custom_ops_attention` (KV stores, decode
-attention). Each runs its kernel directly when called eagerly (no dispatcher on the eager
-hot path) and goes through its op only while dynamo traces (`torch.compiler.is_compiling()`),
-so the compiled and the eager forwards run the same kernels. Ops that write into an argument
-(the KV pool, the MLA query buffer) declare it in `mutates_args`; inductor then writes in place.
+The layers call the functions at the bottom of this module and of its siblings,
+`custom_ops_moe` (router, fused MoE), `custom_ops_attention` (KV stores, decode attention)
+and `custom_ops_fp8` (the FP8 absorbed-weight bmm). Each runs its kernel directly when
+called eagerly (no dispatcher on the eager hot path) and goes through its op only while
+dynamo traces (`torch.compiler.is_compiling()`), so the compiled and the eager forwards run
+the same kernels. Ops that write into an argument (the KV pool, the MLA query buffer) declare
+it in `mutates_args`; inductor then writes in place.
 
 Op names live under the `engine` namespace: torch.ops.engine.<name>.
 """
