@@ -72,7 +72,25 @@ LD_LIBRARY_PATH=$WORK/triton/nvidia_pytriton.libs:$LIBDIR${LD_LIBRARY_PATH:+:$LD
   ldd "$STUBS/$PYV/triton_python_backend_stub" "$WORK/triton/pytriton/tritonserver/bin/tritonserver" \
   >"$LOGS/ldd.txt" 2>&1
 grep "not found" "$LOGS/ldd.txt" && echo "WARNING: libraries not found (see ldd.txt)"
-$PY -m engine.serve --check || exit 1
+
+step "1b. the server's own environment"
+# The Python backend stub reads no PYTHONPATH: it embeds the environment of the first python3 on
+# PATH (the launcher puts its own interpreter's folder first). Its pybind11 was built for numpy 1
+# and misreads numpy 2's dtypes (every BYTES input copied with a zero stride: the stub died on the
+# first request), and the device has numpy 2. So the server runs from a venv of its own: numpy 1
+# in its site-packages (device only), then the device's packages through a .pth file.
+SERVE_VENV=$WORK/serve-venv
+$PY -m venv --without-pip "$SERVE_VENV" || exit 1
+SERVE_SP=$("$SERVE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+$PY -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+  | sort -u >"$SERVE_SP/device-packages.pth"
+if [ "$MODE" = gpu ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$SERVE_SP" .gpubundle/server-whl/*.whl || exit 1
+fi
+SERVER_PY=$SERVE_VENV/bin/python
+$SERVER_PY -c 'import numpy; print("server numpy", numpy.__version__, numpy.__file__)'
+$SERVER_PY -m engine.serve --check || exit 1
 
 step "2. model"
 if [ "$MODE" = gpu ]; then
@@ -90,7 +108,7 @@ socks = [socket.socket() for _ in range(3)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in socks])')
-$PY -m engine.serve --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS" \
+$SERVER_PY -m engine.serve --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS" \
   >"$LOGS/server.log" 2>&1 &
 SERVER=$!
 stop_server() {

@@ -38,6 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 # extra), taken at the versions installed in this venv, where they are known to work together.
 # numpy is present on the device.
 CLIENT_DEPS = ("grpcio", "protobuf", "python-rapidjson", "urllib3", "packaging", "ml-dtypes")
+# For the server's own environment only (`server-whl/`, see perf/gpu_serve.sh): the Python backend
+# stub needs numpy 1 (nvidia-pytriton pins numpy<2), the device has numpy 2.
+SERVER_DEPS = ("numpy",)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 
@@ -133,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         pins = {"tritonclient": tritonclient_version()}
         pins.update({name: metadata.version(name) for name in CLIENT_DEPS})
         download_wheels(out / "whl", pins)
-        for whl in sorted((out / "whl").glob("*.whl")):
-            print(f"wheel: {whl.name} ({whl.stat().st_size / 2**20:.1f} MiB)")
+        shutil.rmtree(out / "server-whl", ignore_errors=True)
+        download_wheels(out / "server-whl", {name: metadata.version(name) for name in SERVER_DEPS})
+        for whl in sorted(out.glob("*whl/*.whl")):
+            print(f"wheel: {whl.parent.name}/{whl.name} ({whl.stat().st_size / 2**20:.1f} MiB)")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"bundle: {out} {total / 2**20:.1f} MiB")
     return 0
