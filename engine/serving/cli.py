@@ -14,6 +14,7 @@ from typing import IO
 from engine.serving.install import (
     REPO_ROOT,
     STUB_NAME,
+    StubNumpyError,
     TritonInstall,
     find_tritonserver,
     has_nvidia_gpu,
@@ -54,7 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
-    install = find_tritonserver()
+    try:
+        install = find_tritonserver()
+    except StubNumpyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if install is None:
         print(
             "error: tritonserver not found (install: pip install nvidia-pytriton)", file=sys.stderr

@@ -8,6 +8,7 @@ import sys
 import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +38,32 @@ def find_tritonserver() -> TritonInstall | None:
     binary = dist / "bin" / "tritonserver"
     if not binary.is_file():
         return None
+    check_stub_numpy()
     libs = dist.parent.parent / "nvidia_pytriton.libs"
     return TritonInstall(binary, prepare_backends(dist), (libs, *libpython_dirs()))
+
+
+class StubNumpyError(RuntimeError):
+    """The wheel's Python backend stub cannot run with this environment's numpy."""
+
+
+def check_stub_numpy(version: str | None = None) -> None:
+    """nvidia-pytriton's stub was built for numpy 1 (the wheel pins numpy<2). Under numpy 2 it
+    misreads numpy's dtypes: every text input reaches the model as its first byte repeated and
+    the stub dies on the first request (seen on an H200 machine whose Python had numpy 2.5).
+    The stub embeds this interpreter's environment, so refuse here, before anything starts."""
+    if version is None:
+        try:
+            version = metadata.version("numpy")
+        except metadata.PackageNotFoundError:
+            return
+    if int(version.split(".")[0]) >= 2:
+        raise StubNumpyError(
+            f"this environment has numpy {version}, but the Python backend stub of "
+            "nvidia-pytriton is built for numpy 1 and corrupts text inputs under numpy 2: "
+            "install numpy<2 here (pip install 'numpy<2'), or run the server from an "
+            "environment that has it (perf/gpu_serve.sh shows one way)"
+        )
 
 
 def prepare_backends(dist: Path, dest: Path | None = None) -> Path:
