@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, rust_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
@@ -224,3 +224,28 @@ def test_prompt_context_gives_sentencepiece_leading_space() -> None:
     d = IncrementalDetokenizer(FakeSentencePiece(), [0, 1])
     assert [d.add(t) for t in [2, 3, 4]] == [" world", "!", " again"]
     assert d.flush() == "" and d.text == " world! again"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_rust_decode_equals_transformers_decode(tok: Any, skip: bool) -> None:
+    """The detokenizer decodes through the Rust tokenizer directly (the default model's has no
+    space clean-up): the same text as transformers' decode, special tokens included."""
+    rust = rust_decoder(tok)
+    assert rust is not None
+    rng = random.Random(3)
+    specials = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 9))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        assert rust.decode(ids, skip_special_tokens=skip) == tok.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+def test_transformers_decode_where_it_cleans_up_spaces(tok: Any) -> None:
+    class CleaningUp:
+        _tokenizer = tok._tokenizer
+        clean_up_tokenization_spaces = True
+
+    assert rust_decoder(CleaningUp()) is None
+    assert rust_decoder(object()) is None
