@@ -435,6 +435,7 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
     shared-expert slots, as the engine runs it; print the best per token count with its share
     of the weight-bytes bound (decode) and its TFLOP/s (prefill)."""
     from engine.kernels.fused_moe import MoEConfig, SharedExperts, _moe_gemm, moe_align_block_size
+    from engine.layers.moe import append_shared_experts
 
     e, k, h, i, slots = 64, 6, 2048, 1408, 2
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -448,16 +449,15 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
         logits = torch.randn(t, e, device="cuda", generator=g)
         topk_w, topk_ids = torch.softmax(logits, -1).topk(k, dim=-1)
-        extra = torch.arange(e, e + slots, device="cuda").expand(t, slots)
-        ids = torch.cat([topk_ids, extra], 1)
-        w = torch.cat([topk_w, torch.ones(t, slots, device="cuda")], 1).reshape(-1)
+        w, ids = append_shared_experts(topk_w, topk_ids, e, slots)
+        w = w.reshape(-1)
         touched = int(torch.unique(topk_ids).numel()) + slots
         flops_up, flops_down = 2 * t * (k + slots) * h * 2 * i, 2 * t * (k + slots) * h * i
         block_ms = (16,) if t <= 64 else (16, 32, 64) if t <= 512 else (64, 128)
         for gemm in ("up", "down"):
-            n, nbytes, flops = (i, 2, flops_up) if gemm == "up" else (h, 1, flops_down)
-            nbytes = touched * nbytes * i * h * 2
-            bound = nbytes / (copy_gbs * 1e9)
+            # gate/up reads two [I, H] matrices per expert, down one
+            n, mats, flops = (i, 2, flops_up) if gemm == "up" else (h, 1, flops_down)
+            bound = touched * mats * i * h * 2 / (copy_gbs * 1e9)
             results = []
             for bm in block_ms:
                 align = moe_align_block_size(ids, e + slots, bm)
