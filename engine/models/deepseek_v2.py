@@ -249,10 +249,10 @@ class MLAAttention(MergedWeights):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
         fb.attn_backend.store_kv(self.layer_id, fb, latent, None)
-        # [S, 1, r + rope]; with no cached prefix, the new rows themselves (no read-back, no FP8)
-        ctx = latent.reshape(latent.shape[0], 1, -1)
         if any(fb.prefix_lens_cpu):
-            ctx, _ = fb.attn_backend.gather_context(self.layer_id, fb)
+            ctx, _ = fb.attn_backend.gather_context(self.layer_id, fb)  # [S, 1, r + rope]
+        else:  # no cached prefix: the new rows themselves (no read-back, no FP8 dequantizing)
+            ctx = latent.reshape(latent.shape[0], 1, -1)
         s, h = ctx.shape[0], self.num_heads
         c_ctx, kpe_ctx = ctx.squeeze(1).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c_ctx).view(s, h, self.qk_nope_head_dim + self.v_head_dim)
