@@ -233,6 +233,7 @@ def summarize(
         "itl_p50_ms": pct(itl, 50),
         "itl_p99_ms": pct(itl, 99),
         "e2e_p50_ms": pct(e2e, 50),
+        "e2e_p99_ms": pct(e2e, 99),
         "chunks_per_request": round(float(np.mean([t.chunks for t in ok])), 2) if ok else None,
     }
 
