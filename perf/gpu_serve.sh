@@ -91,6 +91,20 @@ fi
 SERVER_PY=$SERVE_VENV/bin/python
 $SERVER_PY -c 'import numpy; print("server numpy", numpy.__version__, numpy.__file__)'
 $SERVER_PY -m engine.serve --check || exit 1
+step "1c. the engine's imports in the server's environment"
+# What the stub will import, tried first, so that a failure shows its whole traceback (the stub's
+# log shows only the last exception: transformers' lazy "Could not import module").
+$SERVER_PY - <<'EOF' || exit 1
+import sys, traceback
+try:
+    import numpy, torch
+    from transformers import AutoTokenizer  # noqa: F401
+    import engine.async_engine  # noqa: F401
+except BaseException:
+    traceback.print_exc()
+    sys.exit(1)
+print("imports ok: numpy", numpy.__version__, "torch", torch.__version__)
+EOF
 
 step "2. model"
 if [ "$MODE" = gpu ]; then
