@@ -78,12 +78,21 @@ step "1b. the server's own environment"
 # PATH (the launcher puts its own interpreter's folder first). Its pybind11 was built for numpy 1
 # and misreads numpy 2's dtypes (every BYTES input copied with a zero stride: the stub died on the
 # first request), and the device has numpy 2. So the server runs from a venv of its own: numpy 1
-# in its site-packages (device only), then the device's packages through a .pth file.
+# in its site-packages (device only) beside links to every other entry of the device's
+# site-packages. Left out with numpy: scipy and scikit-learn, built for numpy 2 (transformers'
+# generation utilities import scikit-learn when it is installed, and its scipy fails on numpy 1).
 SERVE_VENV=$WORK/serve-venv
 $PY -m venv --without-pip "$SERVE_VENV" || exit 1
 SERVE_SP=$("$SERVE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+SKIP='^$'
+[ "$MODE" = gpu ] && SKIP='^(numpy|scipy|sklearn|scikit_learn)([-.]|$)'
 $PY -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
-  | sort -u >"$SERVE_SP/device-packages.pth"
+  | sort -u | while read -r dir; do
+    for entry in "$dir"/*; do
+      name=$(basename "$entry")
+      [[ $name =~ $SKIP || -e $SERVE_SP/$name ]] || ln -s "$entry" "$SERVE_SP/$name"
+    done
+  done
 if [ "$MODE" = gpu ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target "$SERVE_SP" .gpubundle/server-whl/*.whl || exit 1

@@ -122,6 +122,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
+# Forced Triton kernels run under the interpreter on CPU tensors, and on CUDA tensors on a GPU
+# (where the interpreter is off).
+KERNEL_DEVICE = dict(device="cuda") if torch.cuda.is_available() else {}
+
+
 def _force_kernels(runner: ModelRunner) -> None:
     for m in runner.model.modules():
         if isinstance(getattr(m, "kernel", None), str):
@@ -132,8 +137,8 @@ def test_kernel_path_matches_torch_path(tiny_mla) -> None:
     """Every layer kernel forced on (the FP8 GEMM under the interpreter, written into the
     absorbed query's columns and a fresh [T, H, v]) against the torch path, both FP8."""
     path = _mla(tiny_mla)
-    _, ref = _decode_logits(_runner(path, **FP8), 3)
-    runner = _runner(path, **FP8)
+    _, ref = _decode_logits(_runner(path, **FP8, **KERNEL_DEVICE), 3)
+    runner = _runner(path, **FP8, **KERNEL_DEVICE)
     _force_kernels(runner)
     _, got = _decode_logits(runner, 3)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -143,7 +148,7 @@ def test_compiled_decode_is_one_graph(tiny_mla) -> None:
     """torch.compile with the FP8 GEMM as a custom op: the Triton backend and every kernel
     traced into one graph (fullgraph), the same logits as the eager kernels."""
     path = _mla(tiny_mla)
-    common = dict(attention_backend="triton", **FP8)
+    common = dict(attention_backend="triton", **FP8, **KERNEL_DEVICE)
     eager = _runner(path, **common)
     _force_kernels(eager)
     _, ref = _decode_logits(eager, 2)
