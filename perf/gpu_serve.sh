@@ -16,7 +16,7 @@
 #  4. perf/serve_bench.py over gRPC at each concurrency, stop the server, then the same requests
 #     through AsyncEngine in-process (engine-direct);
 #  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz.
-# Settings (environment): CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
+# Settings (environment): TARGETS (server,engine: leave engine out to skip 4b), CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
 # V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
 set -uo pipefail
 
@@ -40,7 +40,7 @@ else
   export LLM_MAX_RUNNING_REQUESTS=${LLM_MAX_RUNNING_REQUESTS:-128}
   export LLM_MAX_CONTEXT_LEN=${LLM_MAX_CONTEXT_LEN:-2048}
 fi
-: "${READY_TIMEOUT:=420}"
+: "${READY_TIMEOUT:=420}" "${TARGETS:=server,engine}"
 PYV=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 step() { echo "=== $(date +%T) $*"; }
 
@@ -160,11 +160,14 @@ curl -s "http://127.0.0.1:$METRICS/metrics" >"$LOGS/metrics.txt" 2>/dev/null || 
 stop_server
 trap finish EXIT
 
-step "4b. serve_bench engine-direct (AsyncEngine in this process)"
-$PY perf/serve_bench.py --target engine "${BENCH[@]}" \
-  --out "$OUT/engine.json" 2>"$LOGS/bench_engine.err" >/dev/null
-RC_ENGINE=$?
-tail -5 "$LOGS/bench_engine.err"
+RC_ENGINE=0
+if [[ ,$TARGETS, == *,engine,* ]]; then
+  step "4b. serve_bench engine-direct (AsyncEngine in this process)"
+  $PY perf/serve_bench.py --target engine "${BENCH[@]}" \
+    --out "$OUT/engine.json" 2>"$LOGS/bench_engine.err" >/dev/null
+  RC_ENGINE=$?
+  tail -5 "$LOGS/bench_engine.err"
+fi
 
 step "5. summary"
 $PY - "$OUT" <<'EOF'
