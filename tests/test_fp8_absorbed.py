@@ -123,8 +123,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 # Forced Triton kernels run under the interpreter on CPU tensors, and on CUDA tensors on a GPU
-# (where the interpreter is off).
-KERNEL_DEVICE = dict(device="cuda") if torch.cuda.is_available() else {}
+# (where the interpreter is off), there without graphs: these tests look at the eager forward.
+KERNEL_DEVICE = dict(device="cuda", enable_cuda_graph=False) if torch.cuda.is_available() else {}
 
 
 def _force_kernels(runner: ModelRunner) -> None:
@@ -199,10 +199,12 @@ def test_v2lite_fp8_absorbed_graphs_match_eager(v2lite_two_layers: str) -> None:
 @pytest.mark.cuda
 def test_fp8_absorbed_compile_and_graphs_match_eager(tiny_mla) -> None:
     """Graphs + torch.compile (inductor, the GPU default) with the option on: greedy tokens
-    equal to the eager engine's with the option on."""
+    equal to the eager engine's with the option on. In float32, as the other compile + graphs
+    tests: in bf16 inductor's fusions round differently, and a tiny random model's near-tied
+    logits then flip a token (position 7 of the first prompt on an H200)."""
     path = _mla(tiny_mla)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    common = dict(dtype="bfloat16", max_total_tokens=1024, **FP8)
+    common = dict(dtype="float32", max_total_tokens=1024, **FP8)
     eager = [
         o.token_ids for o in LLM(path, enable_cuda_graph=False, **common).generate(PROMPTS, params)
     ]
