@@ -11,10 +11,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.detokenizer import max_token_chars
 from engine.engine_core import Callback, EngineCore
 from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +31,6 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config)
-        # A text longer than this cannot fit the context, whatever it tokenizes to.
-        self.max_prompt_chars = 0  # no tokenizer: text prompts are refused by tokenize()
-        if self.core.tokenizer is not None:
-            self.max_prompt_chars = self.core.max_context_len * max_token_chars(self.core.tokenizer)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -60,28 +55,12 @@ class AsyncEngine:
     ) -> None:
         """Queue a request; raise ValueError (before tokenizing, where it can) if it cannot run.
 
-        SamplingParamsError when `max_tokens` is above `EngineConfig.max_tokens_cap` (refused, as
-        vLLM refuses a max_tokens beyond the context); ValueError for a prompt that cannot fit.
+        SamplingParamsError when `max_tokens` is above `EngineConfig.max_tokens_cap`; ValueError
+        for a prompt that cannot fit (engine.input_processor).
         """
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
-        cap = self.config.max_tokens_cap
-        if cap is not None and params.max_tokens > cap:
-            raise SamplingParamsError(
-                f"max_tokens={params.max_tokens} is above this server's limit of {cap} "
-                "(max_tokens_cap)"
-            )
-        if (
-            isinstance(prompt, str)
-            and self.max_prompt_chars
-            and len(prompt) > self.max_prompt_chars
-        ):
-            raise ValueError(
-                f"prompt has {len(prompt)} characters; the context limit of "
-                f"{self.max_context_len} tokens holds at most {self.max_prompt_chars}"
-            )
-        ids = self.core.tokenize(prompt)
-        self.core.check_params(params)
+        ids = self.core.inputs.process(prompt, params)
         self._submit(lambda: self._add(request_id, ids, params, callback))
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, callback: Callback) -> None:

@@ -182,6 +182,11 @@ class EngineConfig:
     # processed, so scheduling, detokenizing and streaming run while the device computes. None:
     # on with CUDA (any tp_size). True runs it on a CPU as well (nothing is hidden there).
     enable_overlap: bool | None = None
+    # Serving only (the Triton model): run the engine in a child process (`python3 -m
+    # engine.engine_process`) instead of inside the Python-backend stub, whose embedded
+    # libpython ran Python 1.6-1.7x slower (engine/engine_process.py). LLM and AsyncEngine
+    # ignore it.
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -27,6 +27,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
 from engine.executor.launched_step import LaunchedStep, SampleRequest
 from engine.executor.model_runner import ModelRunner
+from engine.input_processor import InputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Req
@@ -71,6 +72,12 @@ class EngineCore:
         if not config.skip_tokenizer_init:
             self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_config.path)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.runner.model_config.vocab_size,
+            self.runner.max_context_len,
+            config.max_tokens_cap,
+        )
         self.scheduler = Scheduler(
             config,
             self.runner.max_total_tokens,
@@ -99,27 +106,7 @@ class EngineCore:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text is encoded as `tokenizer(text)` would), validated."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "the engine runs without a tokenizer (skip_tokenizer_init): send the prompt "
-                    "as token ids"
-                )
-            ids = list(self.tokenizer(prompt).input_ids)
-        else:
-            ids = [int(t) for t in prompt]
-            vocab = self.runner.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_context_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context limit is {self.max_context_len} "
-                "tokens (prompt plus at least one generated token)"
-            )
-        return ids
+        return self.inputs.tokenize(prompt)
 
     def add_request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, callback: Callback
@@ -141,11 +128,7 @@ class EngineCore:
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for settings this engine cannot honour (before anything is queued)."""
-        if self.tokenizer is None and params.stop:
-            raise ValueError(
-                "stop strings need a tokenizer and the engine runs without one "
-                "(skip_tokenizer_init): use stop_token_ids"
-            )
+        self.inputs.check_params(params)
 
     def _detokenizer(
         self, prompt_ids: list[int], params: SamplingParams

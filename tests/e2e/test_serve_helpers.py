@@ -350,7 +350,7 @@ def test_async_engine_refuses_before_tokenizing(tiny_llama: str) -> None:
         with pytest.raises(ValueError, match="characters"):
             engine.add_request("b", huge, SamplingParams(), lambda out: None)
         assert time.monotonic() - began < 0.5
-        assert engine.max_prompt_chars < len(huge)
+        assert engine.core.inputs.max_prompt_chars < len(huge)
     finally:
         engine.shutdown()
 

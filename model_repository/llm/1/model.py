@@ -1,4 +1,5 @@
-"""Triton Python-backend model: a thin adapter from Triton requests to `engine.AsyncEngine`.
+"""Triton Python-backend model: a thin adapter from Triton requests to the engine (by default in
+a child process: engine.engine_process; `engine_process: false` runs `AsyncEngine` in the stub).
 
 `execute()` parses each request and hands it to the engine; the engine's callbacks only put
 deltas on a queue. One response thread builds and sends every `pb_utils.InferenceResponse`
@@ -13,7 +14,9 @@ engine.serving.protocol (vllm_backend's inputs and outputs; see config.pbtxt).
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -42,6 +45,7 @@ class TritonPythonModel:
 
         from engine.async_engine import AsyncEngine
         from engine.config import load_engine_config
+        from engine.engine_process import EngineProcess
         from engine.metrics import MetricsExporter
         from engine.serving.disconnects import HttpDisconnects
         from engine.serving.lifecycle import ServerLifecycle, grace_from_env
@@ -53,7 +57,11 @@ class TritonPythonModel:
         # built for numpy 1 (docs/SERVING.md, "On the H200").
         pb_utils.Logger.log_info(f"llm: numpy {np.__version__} from {np.__file__}")
         pb_utils.Logger.log_info(f"llm: starting the engine with {config}")
-        self.engine = AsyncEngine(config)
+        if config.engine_process:
+            self.engine: Any = EngineProcess(config, on_died=self._engine_died)
+            pb_utils.Logger.log_info(f"llm: the engine runs in process {self.engine.pid}")
+        else:
+            self.engine = AsyncEngine(config)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = MetricsExporter(pb_utils, labels, self.engine.stats)
         self.queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -92,6 +100,13 @@ class TritonPythonModel:
             messages, tokenize=False, add_generation_prompt=True
         )
         return text
+
+    def _engine_died(self, reason: str) -> None:
+        # Its requests have ended with an error; this stub cannot serve again, so it ends, and
+        # the server reports the model unavailable (`python -m engine.serve` restarts it).
+        pb_utils.Logger.log_error(f"llm: {reason}; ending the stub")
+        time.sleep(0.5)  # let the response thread send those errors
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _on_output(self, out: Any) -> None:
         self.queue.put(("out", out))  # engine thread: keep it cheap
