@@ -15,7 +15,8 @@
 #  3. `python3 -m engine.serve` with LLM_MODEL and LLM_ settings, wait until ready;
 #  4. perf/serve_bench.py over gRPC at each concurrency, stop the server, then the same requests
 #     through AsyncEngine in-process (engine-direct);
-#  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz.
+#  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz, and the
+#     server's rows as sweep.csv and sweep.png (perf/sweep.py's plot).
 # Settings (environment): TARGETS (server,engine: leave engine out to skip 4b), CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
 # V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
 set -uo pipefail
@@ -153,7 +154,7 @@ BENCH=(--concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --max-token
   --requests-per-worker "$REQUESTS_PER_WORKER")
 step "4a. serve_bench through tritonserver (gRPC)"
 $PY perf/serve_bench.py --target server --url "127.0.0.1:$GRPC" "${BENCH[@]}" \
-  --out "$OUT/server.json" 2>"$LOGS/bench_server.err" >/dev/null
+  --out "$OUT/server.json" --sweep-dir "$OUT" 2>"$LOGS/bench_server.err" >/dev/null
 RC_SERVER=$?
 tail -5 "$LOGS/bench_server.err"
 curl -s "http://127.0.0.1:$METRICS/metrics" >"$LOGS/metrics.txt" 2>/dev/null || true

@@ -288,6 +288,40 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def write_sweep(res: dict[str, Any], out_dir: Path) -> None:
+    """The rows as perf/sweep.py's sweep.csv and sweep.png (output tok/s, TTFT, ITL against
+    concurrency)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sweep import SweepRow, plot, write_csv
+
+    rows = [
+        SweepRow(
+            concurrency=r["concurrency"],
+            requests=r["requests"],
+            output_tokens=r["output_tokens"],
+            duration_s=r["duration_s"],
+            requests_per_s=round(r["requests"] / r["duration_s"], 3),
+            output_tok_per_s=r["output_tok_per_s"],
+            ttft_p50_ms=r["ttft_p50_ms"],
+            ttft_p99_ms=r["ttft_p99_ms"],
+            itl_p50_ms=r["itl_p50_ms"],
+            itl_p99_ms=r["itl_p99_ms"],
+            latency_p50_ms=r["e2e_p50_ms"],
+            latency_p99_ms=r.get("e2e_p99_ms", r["e2e_p50_ms"]),
+        )
+        for r in res["rows"]
+        if not r["errors"]
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out_dir / "sweep.csv")
+    where = "tritonserver, gRPC streaming" if res["target"] == "server" else "AsyncEngine"
+    title = (
+        f"{where}: {res['prompt_tokens']}-token prompts, {res['max_tokens']} output tokens, "
+        f"{res['requests_per_worker']} requests per worker"
+    )
+    plot(rows, out_dir / "sweep.png", title)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", choices=("server", "engine"), default="server")
@@ -300,13 +334,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--sweep-dir",
+        type=Path,
+        default=None,
+        help="also write sweep.csv and sweep.png there, as `make sweep` does (perf/sweep.py)",
+    )
+    ap.add_argument(
+        "--from-json", type=Path, default=None, help="plot an earlier --out file, run nothing"
+    )
     args = ap.parse_args(argv)
-    res = bench(args)
+    res = json.loads(args.from_json.read_text()) if args.from_json else bench(args)
     text = json.dumps(res, indent=2)
     print(text)
-    if args.out:
+    if args.out and not args.from_json:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
+    if args.sweep_dir:
+        write_sweep(res, args.sweep_dir)
     bad = sum(r["errors"] for r in res["rows"])
     return 1 if bad else 0
 
