@@ -15,10 +15,11 @@ exactly `max_tokens` (min_tokens = max_tokens, ignore_eos, greedy), as in perf/s
   model is (model_repository/llm/1/model.json plus LLM_<FIELD> variables), so the two runs can
   be divided. Run it when no server holds the GPU.
 
-Figures per concurrency (latencies in ms): output tok/s (requests x max_tokens over the span from
-the first send to the last token), TTFT p50/p99 (first token - send), inter-token latency p50/p99
-((last - first token) / (max_tokens - 1), one value per request), end-to-end p50. JSON on
-stdout and in `--out`.
+Both time a request's tokens by their arrival, whether or not they decode to text (the server is
+asked for `num_output_tokens` in every response). Figures per concurrency (latencies in ms):
+output tok/s (requests x max_tokens over the span from the first send to the last token), TTFT
+p50/p99 (first token - send), inter-token latency p50/p99 ((last - first token) /
+(max_tokens - 1), one value per request), end-to-end p50/p99. JSON on stdout and in `--out`.
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ def grpc_worker(
     )
     try:
         for prompt in prompts:
-            inputs = grpc_inputs(build_inputs(prompt, params(max_tokens)))
+            # num_output_tokens in every response: the first token is timed when it arrives,
+            # as engine-direct times it, not when the first non-empty text does (a random
+            # checkpoint's ids beyond the tokenizer's vocabulary decode to nothing)
+            fields = build_inputs(prompt, params(max_tokens)) | {"return_num_output_tokens": True}
+            inputs = grpc_inputs(fields)
             t = Timing(sent=time.perf_counter())
             client.async_stream_infer(
                 model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
@@ -127,8 +132,8 @@ def grpc_worker(
                 if error is not None:
                     t.error = str(error)
                     break
-                text = result.as_numpy("text_output")
-                if text is not None and text.size and text.reshape(-1)[0]:
+                tokens = result.as_numpy("num_output_tokens")
+                if tokens is not None and tokens.size and tokens.reshape(-1)[0] > 0:
                     t.first = t.first if t.first is not None else now
                     t.last = now
                     t.chunks += 1
