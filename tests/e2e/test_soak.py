@@ -18,7 +18,7 @@ from client.stream_client import build_inputs, stream_grpc
 from engine.serving.process import SHM_PREFIX
 
 from .conftest import wait_for
-from .launcher import Launcher, OneStream, alive, start_launcher
+from .launcher import Launcher, OneStream, alive, children, start_launcher
 from .test_reliability import assert_healthy
 
 pytestmark = pytest.mark.soak
@@ -85,6 +85,7 @@ def test_killed_stub_recovers(tmp_path: Path) -> None:
     try:
         launcher.wait_ready()
         (stub,) = launcher.stubs()
+        (engine,) = children(stub.pid, "engine.engine_process")
         streams = [
             OneStream(launcher.server.grpc_url, build_inputs(f"Story {i}:", LONG)) for i in range(2)
         ]
@@ -109,8 +110,36 @@ def test_killed_stub_recovers(tmp_path: Path) -> None:
         assert "serving again" in launcher.log()
         (new_stub,) = launcher.stubs()
         assert new_stub.pid != stub.pid and not alive(stub.pid)
+        assert not alive(engine)  # the engine's process went with its stub
         assert stub.shm_region and not Path("/dev/shm", stub.shm_region).exists()
         pids = [*launcher.tritonservers(), new_stub.pid]
+    finally:
+        code = launcher.stop(signal.SIGTERM)
+    assert code == 0
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def test_killed_engine_process_recovers(tmp_path: Path) -> None:
+    """kill -9 of the engine's process (engine_process, the default): its streams end with an
+    error naming it, the stub ends, and the launcher has the model serving again."""
+    launcher = start_launcher(tmp_path / "serve.log", engine=ENGINE)
+    try:
+        launcher.wait_ready()
+        (stub,) = launcher.stubs()
+        (engine,) = children(stub.pid, "engine.engine_process")
+        stream = OneStream(launcher.server.grpc_url, build_inputs("Story:", LONG))
+        assert stream.wait_parts(3, timeout=120)
+        killed = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        assert stream.wait_end(timeout=10)
+        assert "engine's process exited with code -9" in (stream.error or ""), stream.error
+        stream.close()
+        assert wait_for(lambda: not alive(stub.pid), timeout=10, interval=0.1)
+        assert wait_for(launcher.server.is_ready, timeout=60, interval=0.25), launcher.log()[-3000:]
+        serve_one(launcher)
+        print(f"killed engine process: serving again after {time.monotonic() - killed:.1f} s")
+        assert "exited with code -9" in launcher.log()
+        pids = [*launcher.tritonservers(), *(s.pid for s in launcher.stubs())]
     finally:
         code = launcher.stop(signal.SIGTERM)
     assert code == 0
