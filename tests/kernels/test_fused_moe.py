@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
-from engine.kernels.fused_moe import SharedExperts, fused_moe, moe_align_block_size
+from engine.kernels import fused_moe as fused_moe_module
+from engine.kernels.fused_moe import (
+    GEMV_MAX_PAIRS,
+    SharedExperts,
+    default_moe_config,
+    fused_moe,
+    moe_align_block_size,
+)
 from engine.kernels.reference import fused_moe_ref, moe_align_block_size_ref
 
 
@@ -133,3 +143,110 @@ def test_fused_moe_runs_the_shared_experts(
     torch.testing.assert_close(ref.float().cpu(), routed.float() + mlp, rtol=2e-2, atol=2e-2)
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+def _spy_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the fused MoE's launchers, in the order `fused_moe` calls them."""
+    calls: list[str] = []
+
+    def spy(name: str) -> Callable[..., Any]:
+        launch = getattr(fused_moe_module, name)
+
+        def run(*args: Any) -> Any:
+            calls.append(name)
+            return launch(*args)
+
+        return run
+
+    for name in ("_moe_gemv", "_moe_gemm", "moe_align_block_size"):
+        monkeypatch.setattr(fused_moe_module, name, spy(name))
+    return calls
+
+
+def _decode_inputs(
+    tokens: int, slots: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], SharedExperts | None, torch.Tensor]:
+    """x, w13, w2, topk weights and ids ([T, top_k + slots]), the shared experts (slots > 0) and
+    a shared_output, at a small decode shape (top-2 of 8 experts, H 64, I 48)."""
+    g = torch.Generator().manual_seed(100 * tokens + slots)
+    experts, top_k, hidden, inter = 8, 2, 64, 48
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    topk_w, topk_ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k)
+    shared = None
+    if slots:
+        gate_up = (torch.randn(2 * slots * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+        down = (torch.randn(hidden, slots * inter, generator=g) / inter**0.5).to(dtype)
+        shared = SharedExperts(gate_up, down)
+        topk_w = torch.cat([topk_w, torch.ones(tokens, slots)], dim=1)
+        topk_ids = torch.cat(
+            [topk_ids, torch.arange(experts, experts + slots).expand(tokens, -1)], 1
+        )
+    shared_output = torch.randn(tokens, hidden, generator=g).to(dtype)
+    return [x, w13, w2, topk_w, topk_ids], shared, shared_output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [0, 2])
+@pytest.mark.parametrize("with_shared_output", [False, True])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_fused_moe_gemv_path(
+    tokens: int,
+    with_shared_output: bool,
+    slots: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode batches (at most GEMV_MAX_PAIRS pairs) against the per-expert loop."""
+    calls = _spy_kernels(monkeypatch)
+    args, shared, shared_output = _decode_inputs(tokens, slots, dtype)
+    args = [t.to(device) for t in args]
+    if shared is not None:
+        shared = SharedExperts(shared.gate_up.to(device), shared.down.to(device))
+    extra = shared_output.to(device) if with_shared_output else None
+    out = fused_moe(*args, shared_output=extra, shared_experts=shared)
+    ref = fused_moe_ref(*args, shared_output=extra, shared_experts=shared)
+    assert calls == ["_moe_gemv", "_moe_gemv"]  # up and down, no alignment
+    assert out.shape == ref.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 3e-2
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,forced,path",
+    [
+        (1, 8, False, "gemv"),  # 8 pairs, as V2-Lite's batch-1 decode (6 routed + 2 shared)
+        (GEMV_MAX_PAIRS // 4, 4, False, "gemv"),  # just at the threshold
+        (GEMV_MAX_PAIRS // 4 + 1, 4, False, "grouped"),  # one token over
+        (1, 8, True, "grouped"),  # an explicit config keeps the grouped GEMMs (the tuner)
+    ],
+)
+def test_fused_moe_dispatch(
+    tokens: int,
+    top_k: int,
+    forced: bool,
+    path: str,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Few pairs run the GEMV kernels, with no alignment; more pairs, or an explicit config, run
+    the aligned grouped GEMMs. Both give the reference's answer."""
+    calls = _spy_kernels(monkeypatch)
+    g = torch.Generator().manual_seed(tokens + top_k)
+    experts, hidden, inter = 8, 32, 32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    topk_w, topk_ids = torch.softmax(torch.randn(tokens, experts, generator=g), -1).topk(top_k)
+    args = [t.to(device) for t in (x, w13, w2, topk_w, topk_ids)]
+    config = default_moe_config(tokens * top_k, experts, 4) if forced else None
+    out = fused_moe(*args, config=config)
+    if path == "gemv":
+        assert calls == ["_moe_gemv", "_moe_gemv"]
+    else:
+        assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
+    torch.testing.assert_close(out, fused_moe_ref(*args), rtol=1e-4, atol=1e-4)
