@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from engine.serving.process import Server
+from engine.serving.process import Server, Stub
 
 KILL_MARGIN_S = 5.0  # after the grace period, for the model to unload and the server to exit
 POLL_S = 0.25
@@ -48,6 +48,7 @@ class Supervisor:
         self.signals = 0
         self.restarts = 0
         self._failures: list[float] = []
+        self._dead: list[Stub] = []  # stubs seen to die and not yet acted on
 
     def run(self) -> int:
         """Serve until stopped: 0 after a requested stop, 1 when the server cannot be started."""
@@ -90,7 +91,7 @@ class Supervisor:
         code = server.process.poll()
         if code is not None:
             return f"tritonserver exited with code {code}"
-        dead = server.check_stubs()
+        dead, self._dead = self._dead + server.check_stubs(), []
         if dead:
             names = ", ".join(f"{s.model} (pid {s.pid})" for s in dead)
             return f"the Python backend stub of {names} died"
@@ -103,8 +104,12 @@ class Supervisor:
             if code is not None:
                 self._log(f"llm-serve: tritonserver exited with code {code} before it was ready")
                 return False
+            # Know the stubs from the start: a stub started while the model loads is recorded
+            # before the server answers ready, so one that dies right after is seen to die
+            # (its death is kept for the first `_failure` check).
+            self._dead += server.check_stubs()
             if server.is_ready():
-                server.check_stubs()  # know the stubs from the start
+                self._dead += server.check_stubs()
                 return True
             if time.monotonic() >= deadline:
                 self._log(f"llm-serve: tritonserver was not ready after {self.ready_timeout:.0f} s")
