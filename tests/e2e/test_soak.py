@@ -135,10 +135,12 @@ def test_killed_engine_process_recovers(tmp_path: Path) -> None:
         assert "engine's process exited with code -9" in (stream.error or ""), stream.error
         stream.close()
         assert wait_for(lambda: not alive(stub.pid), timeout=10, interval=0.1)
+        # the dead stub's server answers ready until the launcher kills it to restart
+        assert wait_for(lambda: not launcher.server.is_ready(), timeout=10, interval=0.1)
         assert wait_for(launcher.server.is_ready, timeout=60, interval=0.25), launcher.log()[-3000:]
         serve_one(launcher)
         print(f"killed engine process: serving again after {time.monotonic() - killed:.1f} s")
-        assert "exited with code -9" in launcher.log()
+        assert "exited with code -9" in launcher.log() and "serving again" in launcher.log()
         pids = [*launcher.tritonservers(), *(s.pid for s in launcher.stubs())]
     finally:
         code = launcher.stop(signal.SIGTERM)
