@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.metrics import RequestTimer
@@ -104,6 +104,39 @@ def rejection(error: Exception) -> str:
     if isinstance(error, ValueError):  # the prompt: too long for the context, bad token ids
         return f"input 'text_input': {error}"
     return str(error)
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: the new text, ids and logprobs of both,
+    the totals and the ending of the later."""
+    return replace(
+        then,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+    )
+
+
+def coalesce(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The model's queued events with each request's deltas ("out", RequestOutput) merged into
+    one, at the place of its first: a response thread that fell behind then sends one response
+    per request for everything it missed instead of one per step (a send costs about half a
+    millisecond in the Python backend). Other events keep their order; a "stop" ends the list."""
+    merged: list[tuple[str, Any]] = []
+    at: dict[str, int] = {}  # request id -> index of its pending delta in `merged`
+    for kind, item in events:
+        if kind == "out":
+            i = at.get(item.request_id)
+            if i is None:
+                at[item.request_id] = len(merged)
+                merged.append((kind, item))
+            else:
+                merged[i] = (kind, merge_deltas(merged[i][1], item))
+            continue
+        merged.append((kind, item))
+        if kind == "stop":
+            break
+    return merged
 
 
 def _flag(get: InputGetter, name: str, default: bool | None) -> bool | None:

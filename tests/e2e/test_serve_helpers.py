@@ -32,6 +32,7 @@ from engine.serving.protocol import (
     ParsedRequest,
     Reply,
     Stream,
+    coalesce,
     parse_request,
     rejection,
 )
@@ -245,6 +246,43 @@ def test_stream_replies() -> None:
     assert reply is not None and not reply.final and not live.unanswered
     done = live.on_delta(RequestOutput("s", finished=True, finish_reason="abort", error="boom"))
     assert done == Reply(final=True, error="boom")
+
+
+def test_coalesce_merges_each_requests_queued_deltas() -> None:
+    a1 = RequestOutput("a", text="He", token_ids=[1], logprobs=[-0.1], num_output_tokens=1)
+    b1 = RequestOutput("b", text="x", token_ids=[7], num_output_tokens=1)
+    a2 = RequestOutput(
+        "a", text="llo", token_ids=[2, 3], logprobs=[-0.2, -0.3], num_output_tokens=3
+    )
+    a3 = RequestOutput(
+        "a", text="!", token_ids=[4], logprobs=[-0.4], finished=True, finish_reason="length",
+        num_output_tokens=4, cumulative_logprob=-1.0,
+    )  # fmt: skip
+    new_c = object()
+    events = [("out", a1), ("out", b1), ("new", new_c), ("out", a2), ("out", a3)]
+    merged = coalesce(events)
+    assert [k for k, _ in merged] == ["out", "out", "new"]
+    a = merged[0][1]
+    assert (a.request_id, a.text, a.token_ids) == ("a", "Hello!", [1, 2, 3, 4])
+    assert a.logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert a.finished and a.finish_reason == "length" and a.num_output_tokens == 4
+    assert a.cumulative_logprob == -1.0
+    assert merged[1] == ("out", b1) and merged[2] == ("new", new_c)
+    # a request's "new" stays ahead of its deltas; nothing after a stop is handled
+    c1 = RequestOutput("c", text="y", token_ids=[9])
+    assert coalesce([("new", new_c), ("out", c1), ("stop", None), ("out", b1)]) == [
+        ("new", new_c), ("out", c1), ("stop", None),
+    ]  # fmt: skip
+    # merged, a stream replies once with all the text, and the timer counts every token
+    returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_num_output_tokens": True}
+    live = Stream("a", None, ParsedRequest("P", SamplingParams(), True, returns))
+    reply = live.on_delta(a)
+    assert reply is not None and reply.final
+    assert reply.outputs == [
+        ("text_output", b"Hello!", "object"),
+        ("num_output_tokens", 4, "uint32"),
+    ]
+    assert live.num_output_tokens == 4
 
 
 # --- HTTP clients that left (engine.serving.disconnects) --------------------------------------

@@ -3,8 +3,9 @@ a child process: engine.engine_process; `engine_process: false` runs `AsyncEngin
 
 `execute()` parses each request and hands it to the engine; the engine's callbacks only put
 deltas on a queue. One response thread builds and sends every `pb_utils.InferenceResponse`
-(sending from several threads crashes the 2.51 Python backend under concurrency), aborts the
-requests whose client left (`is_cancelled()`, or an HTTP client Triton did not see leave:
+(sending from several threads crashes the 2.51 Python backend under concurrency). It takes
+everything queued at once and merges each request's deltas into one response (a thread that
+fell behind catches up), aborts the requests whose client left (`is_cancelled()`, or an HTTP client Triton did not see leave:
 engine.serving.disconnects) and, once a drain began (SIGTERM to the stub: engine.serving.lifecycle),
 refuses new requests and ends those still running after the grace period with an error. Each
 request gets the final flag exactly once. Parsing and what to send for each delta live in
@@ -29,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05
+MAX_EVENTS = 4096  # events taken off the queue at once
 DISCONNECT_POLL_S = 0.25
 SHUTTING_DOWN = "server shutting down"
 
@@ -114,21 +116,30 @@ class TritonPythonModel:
     # --- response side (the one thread that talks to pb_utils responses) -------------------------
 
     def _loop(self) -> None:
+        from engine.serving.protocol import coalesce
+
         next_poll = time.monotonic() + CANCEL_POLL_S
         self._next_disconnect_check = 0.0
         while True:
+            events = []
             try:
-                kind, item = self.queue.get(timeout=CANCEL_POLL_S)
+                events.append(self.queue.get(timeout=CANCEL_POLL_S))
+                while len(events) < MAX_EVENTS:  # all that queued up: one send per request
+                    events.append(self.queue.get_nowait())
             except queue.Empty:
-                kind, item = "", None
-            try:
+                pass
+            for kind, item in coalesce(events):
                 if kind == "stop":
                     return
-                self._handle(kind, item)
+                try:
+                    self._handle(kind, item)
+                except Exception as e:  # never let one bad send take the thread down
+                    pb_utils.Logger.log_error(f"llm: response thread: {e!r}")
+            try:
                 if time.monotonic() >= next_poll:
                     self._poll()
                     next_poll = time.monotonic() + CANCEL_POLL_S
-            except Exception as e:  # never let one bad send take the thread down
+            except Exception as e:
                 pb_utils.Logger.log_error(f"llm: response thread: {e!r}")
 
     def _handle(self, kind: str, item: Any) -> None:
