@@ -187,6 +187,9 @@ class EngineConfig:
     # libpython ran Python 1.6-1.7x slower (engine/engine_process.py). LLM and AsyncEngine
     # ignore it.
     engine_process: bool = True
+    # CUDA graphs with tp_size > 1: every rank captures the same sizes at start-up and replays in
+    # step with rank 0, the NCCL collectives inside the graphs. Off until it has run on two GPUs.
+    cuda_graph_with_tp: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

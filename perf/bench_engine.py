@@ -481,6 +481,8 @@ class Bench:
     def make_llm(self, **overrides: Any) -> LLM:
         a = self.args
         kw: dict[str, Any] = dict(device=a.device, max_running_requests=a.max_running)
+        if a.tp_size > 1:
+            kw.update(tp_size=a.tp_size, cuda_graph_with_tp=a.tp_graphs)
         kw["enable_overlap"] = OVERLAP[a.overlap]
         if a.max_context_len:
             kw["max_context_len"] = a.max_context_len
@@ -961,6 +963,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp8-absorb-ns", default="64", help="request counts of that engine")
     ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; see above")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (GPUs)")
+    ap.add_argument(
+        "--tp-graphs", action="store_true", help="with --tp-size > 1: cuda_graph_with_tp"
+    )
     ap.add_argument("--json", help="write the results here (rewritten after every task)")
     a = ap.parse_args(argv)
     if a.ns:

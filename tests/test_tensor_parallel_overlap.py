@@ -274,3 +274,27 @@ def test_tp2_cuda_inductor_compile_equals_eager(tiny_mla) -> None:
         assert compiled.calls > 0
     finally:
         llm.core.shutdown()
+
+
+@pytest.mark.cuda
+def test_tp2_cuda_graphs_equal_eager_tp1(tiny_mla) -> None:
+    """CUDA graphs under TP (cuda_graph_with_tp): both ranks capture the same sizes and replay
+    in step, the NCCL collectives inside the graphs; overlap on and off give the greedy tokens of
+    eager TP=1, and rank 0 replays graphs."""
+    _two_gpus()
+    model = tiny_mla("v2", moe=True, q_lora_rank=None)
+    prompts = _prompts(6, seed=35)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
+    common: dict[str, Any] = dict(attention_backend="triton")
+    tp1 = _llm(model, 1, False, enable_cuda_graph=False, **common)
+    eager = [o.token_ids for o in tp1.generate(prompts, params)]
+    for overlap in (False, True):
+        llm = _llm(model, 2, overlap, cuda_graph_max_bs=8, cuda_graph_with_tp=True, **common)
+        try:
+            graphs = llm.core.runner.graph_runner
+            assert graphs is not None
+            assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+            assert graphs.replays > 0
+            _check_idle(llm)
+        finally:
+            llm.core.shutdown()

@@ -207,8 +207,11 @@ class ModelRunner:
     def _use_cuda_graph(self) -> bool:
         """Graphs need CUDA and the Triton backend (the torch-native one syncs with the host).
 
-        NOTE: not with tensor parallelism yet: every rank would have to replay in step, with
-        the all-reduces captured inside the graphs.
+        With tensor parallelism only when `cuda_graph_with_tp`: every rank builds its runner at
+        the same time and captures the same sizes in the same order (their KV pools and limits
+        agree), so the collectives inside the captures meet; each step every rank replays the
+        same size for the same batch (`can_run` reads only the batch), after the placeholder
+        broadcast, which stays outside the graphs.
         """
         cfg = self.config
         if not cfg.enable_cuda_graph or cfg.cuda_graph_max_bs < 1 or self.device.type != "cuda":
@@ -218,8 +221,8 @@ class ModelRunner:
                 "CUDA graphs off: the %s backend does not support them", cfg.attention_backend
             )
             return False
-        if self.parallel.world_size > 1:
-            logger.info("CUDA graphs off: not supported with tp_size > 1 yet")
+        if self.parallel.world_size > 1 and not cfg.cuda_graph_with_tp:
+            logger.info("CUDA graphs off with tp_size > 1 (cuda_graph_with_tp turns them on)")
             return False
         return True
 
