@@ -5,11 +5,12 @@ a child process: engine.engine_process; `engine_process: false` runs `AsyncEngin
 deltas on a queue. One response thread builds and sends every `pb_utils.InferenceResponse`
 (sending from several threads crashes the 2.51 Python backend under concurrency). It takes
 everything queued at once and merges each request's deltas into one response (a thread that
-fell behind catches up), aborts the requests whose client left (`is_cancelled()`, or an HTTP client Triton did not see leave:
-engine.serving.disconnects) and, once a drain began (SIGTERM to the stub: engine.serving.lifecycle),
-refuses new requests and ends those still running after the grace period with an error. Each
-request gets the final flag exactly once. Parsing and what to send for each delta live in
-engine.serving.protocol (vllm_backend's inputs and outputs; see config.pbtxt).
+fell behind catches up). It also aborts the requests whose client left (`is_cancelled()`, or an
+HTTP client Triton did not see leave: engine.serving.disconnects) and, once a drain began
+(SIGTERM to the stub: engine.serving.lifecycle), refuses new requests and ends those still
+running after the grace period with an error. Each request gets the final flag exactly once.
+Parsing and what to send for each delta live in engine.serving.protocol (vllm_backend's inputs
+and outputs; see config.pbtxt).
 """
 
 from __future__ import annotations
