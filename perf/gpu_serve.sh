@@ -17,7 +17,9 @@
 #     through AsyncEngine in-process (engine-direct);
 #  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz, and the
 #     server's rows as sweep.csv and sweep.png (perf/sweep.py's plot).
-# Settings (environment): TARGETS (server,engine: leave engine out to skip 4b), CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
+# Settings (environment): TARGETS (server,engine; leave engine out to skip 4b; add server_inproc
+# for a second server run with the engine inside the stub, LLM_ENGINE_PROCESS=false, written to
+# server_inproc.json), CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
 # V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
 set -uo pipefail
 
@@ -125,40 +127,55 @@ fi
 echo "LLM_MODEL=$LLM_MODEL"
 env | grep '^LLM_' | sort
 
-step "3. tritonserver"
-read -r HTTP GRPC METRICS < <($PY -c '
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in socks])')
-$SERVER_PY -m engine.serve --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS" \
-  >"$LOGS/server.log" 2>&1 &
-SERVER=$!
+BENCH=(--concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --max-tokens "$MAX_TOKENS"
+  --requests-per-worker "$REQUESTS_PER_WORKER")
+SERVER=""
 stop_server() {
+  [ -n "$SERVER" ] || return 0
   kill -TERM "$SERVER" 2>/dev/null || return 0
   for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || return 0; sleep 1; done
   kill -KILL "$SERVER" 2>/dev/null
 }
 trap 'stop_server; finish' EXIT
-t0=$(date +%s)
-until $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$HTTP/v2/health/ready', timeout=2)" 2>/dev/null; do
-  if ! kill -0 "$SERVER" 2>/dev/null; then echo "server exited"; tail -50 "$LOGS/server.log"; exit 1; fi
-  if [ $(($(date +%s) - t0)) -gt "$READY_TIMEOUT" ]; then echo "not ready"; tail -50 "$LOGS/server.log"; exit 1; fi
-  sleep 2
-done
-echo "ready after $(($(date +%s) - t0)) s (http $HTTP, grpc $GRPC)" | tee "$LOGS/ready.txt"
-nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$LOGS/ready.txt" 2>&1 || true
 
-BENCH=(--concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --max-tokens "$MAX_TOKENS"
-  --requests-per-worker "$REQUESTS_PER_WORKER")
-step "4a. serve_bench through tritonserver (gRPC)"
-$PY perf/serve_bench.py --target server --url "127.0.0.1:$GRPC" "${BENCH[@]}" \
-  --out "$OUT/server.json" --sweep-dir "$OUT" 2>"$LOGS/bench_server.err" >/dev/null
+# serve NAME [sweep]: start `python -m engine.serve` (with the caller's LLM_ settings), wait until
+# ready, run serve_bench over gRPC into $OUT/NAME.json (and the sweep plot), stop the server.
+serve() {
+  local name=$1 http grpc metrics t0 rc
+  step "3. tritonserver ($name)"
+  read -r http grpc metrics < <($PY -c '
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])')
+  $SERVER_PY -m engine.serve --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" \
+    >"$LOGS/$name.log" 2>&1 &
+  SERVER=$!
+  t0=$(date +%s)
+  until $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=2)" 2>/dev/null; do
+    if ! kill -0 "$SERVER" 2>/dev/null; then echo "server exited"; tail -50 "$LOGS/$name.log"; return 1; fi
+    if [ $(($(date +%s) - t0)) -gt "$READY_TIMEOUT" ]; then echo "not ready"; tail -50 "$LOGS/$name.log"; return 1; fi
+    sleep 2
+  done
+  echo "ready after $(($(date +%s) - t0)) s (http $http, grpc $grpc)" | tee "$LOGS/${name}_ready.txt"
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$LOGS/${name}_ready.txt" 2>&1 || true
+  step "4a. serve_bench through tritonserver (gRPC, $name)"
+  $PY perf/serve_bench.py --target server --url "127.0.0.1:$grpc" "${BENCH[@]}" \
+    --out "$OUT/$name.json" ${2:+--sweep-dir "$OUT"} 2>"$LOGS/bench_$name.err" >/dev/null
+  rc=$?
+  tail -5 "$LOGS/bench_$name.err"
+  curl -s "http://127.0.0.1:$metrics/metrics" >"$LOGS/${name}_metrics.txt" 2>/dev/null || true
+  stop_server
+  SERVER=""
+  return $rc
+}
+
+serve server sweep
 RC_SERVER=$?
-tail -5 "$LOGS/bench_server.err"
-curl -s "http://127.0.0.1:$METRICS/metrics" >"$LOGS/metrics.txt" 2>/dev/null || true
-stop_server
+if [[ ,$TARGETS, == *,server_inproc,* ]]; then  # the engine inside the stub, for comparison
+  LLM_ENGINE_PROCESS=false serve server_inproc || RC_SERVER=1
+fi
 trap finish EXIT
 
 RC_ENGINE=0
@@ -176,13 +193,15 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 res = {}
-for name in ("server", "engine"):
+for name in ("server", "server_inproc", "engine"):
     p = out / f"{name}.json"
     res[name] = json.loads(p.read_text()) if p.is_file() else None
 rows = []
-if res["server"] and res["engine"]:
+for name in ("server", "server_inproc"):
+    if not (res[name] and res["engine"]):
+        continue
     eng = {r["concurrency"]: r for r in res["engine"]["rows"]}
-    for s in res["server"]["rows"]:
+    for s in res[name]["rows"]:
         e = eng.get(s["concurrency"])
         if not e:
             continue
@@ -191,6 +210,7 @@ if res["server"] and res["engine"]:
         def sub(a, b):
             return round(a - b, 3) if a is not None and b is not None else None
         rows.append({
+            "server": name,
             "concurrency": s["concurrency"],
             "server_tok_per_s": s["output_tok_per_s"], "engine_tok_per_s": e["output_tok_per_s"],
             "throughput_ratio": div(s["output_tok_per_s"], e["output_tok_per_s"]),
