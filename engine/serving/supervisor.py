@@ -109,7 +109,6 @@ class Supervisor:
             # (its death is kept for the first `_failure` check).
             self._dead += server.check_stubs()
             if server.is_ready():
-                self._dead += server.check_stubs()
                 return True
             if time.monotonic() >= deadline:
                 self._log(f"llm-serve: tritonserver was not ready after {self.ready_timeout:.0f} s")
