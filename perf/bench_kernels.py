@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU: MLA decode against FlashMLA, fused MoE against a per-expert loop,
 the FP8 batched matmul of MLA's absorbed weights against bf16 `torch.bmm`.
-The MoE section ends with a decode table: the grouped GEMMs against the GEMV path at 1-4 tokens.
+The MoE section ends with a decode table at 1-4 tokens with V2-Lite's 2 shared-expert slots.
 
 Run on the device (H200):  python3 perf/bench_kernels.py [--tune] [--no-moe] [--out DIR]
                            python3 perf/bench_kernels.py --fp8-bmm-only [--tune-fp8-bmm]
@@ -15,7 +15,6 @@ touched + activations. The device-to-device copy bandwidth is measured in the sa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import math
@@ -23,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -426,11 +425,8 @@ MOE_DECODE_TOKENS = (1, 2, 4)
 
 
 def bench_moe_decode(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]]) -> str:
-    """Decode batches as the engine runs them (V2-Lite, top-6 plus the 2 shared-expert slots):
-    the aligned grouped GEMMs (an explicit `config`, the default tiles) against the GEMV path.
-    The GEMV column is the default dispatch, its threshold raised to the row's pair count
-    where GEMV_MAX_PAIRS is below it, to show where the threshold belongs ("default path"
-    says which path the engine takes). Each against the weight-bytes bound, as above."""
+    """Decode batches as the engine runs them (V2-Lite, top-6 plus the 2 shared-expert slots,
+    the default tiles), against the weight-bytes bound as above."""
     from engine.kernels import fused_moe as fm
     from engine.kernels.reference import fused_moe_ref
     from engine.layers.moe import append_shared_experts
@@ -444,10 +440,9 @@ def bench_moe_decode(args: argparse.Namespace, copy_gbs: float, log: list[dict[s
         torch.randn(h, slots * i, device="cuda", dtype=torch.bfloat16, generator=g) / i**0.5,
     )
     header = (
-        f"MoE decode, 2 shared-expert slots, GEMV_MAX_PAIRS={fm.GEMV_MAX_PAIRS}\n"
-        "| tokens | pairs | experts touched | grouped us | GEMV us | GEMV speed-up | "
-        "weight-bytes bound us | grouped % of bound | GEMV % of bound | default path | "
-        "rel err grouped | rel err GEMV |\n" + "|" + " --- |" * 12
+        "MoE decode, 2 shared-expert slots\n"
+        "| tokens | pairs | experts touched | fused MoE us | weight-bytes bound us | % of bound | "
+        "rel err |\n" + "|" + " --- |" * 7
     )
     rows = []
     for t in args.moe_decode_tokens:
@@ -459,44 +454,18 @@ def bench_moe_decode(args: argparse.Namespace, copy_gbs: float, log: list[dict[s
         touched = int(torch.unique(topk_ids).numel()) + slots
         nbytes = touched * 3 * i * h * 2 + t * h * 2 * 2 + pairs * (2 * i + h) * 2 * 2
         moe_args = (x, w13, w2, w, ids)
-        tiles = fm.default_moe_config(pairs, e + slots)
-        grouped = functools.partial(fm.fused_moe, *moe_args, tiles, shared_experts=shared)
-        on_default = 0 < pairs <= fm.GEMV_MAX_PAIRS
-        gemv = functools.partial(fm.fused_moe, *moe_args, shared_experts=shared)
-        ref = fused_moe_ref(*moe_args, shared_experts=shared)
-        t_grouped = time_graph(grouped, args.calls, args.reps)
-        err_grouped = rel_err(grouped(), ref)
-        with _gemv_max_pairs(pairs):
-            t_gemv = time_graph(gemv, args.calls, args.reps)
-            err_gemv = rel_err(gemv(), ref)
+        fn = functools.partial(fm.fused_moe, *moe_args, shared_experts=shared)
+        t_ours = time_graph(fn, args.calls, args.reps)
+        err = rel_err(fn(), fused_moe_ref(*moe_args, shared_experts=shared))
         bound = nbytes / (copy_gbs * 1e9)
         line = (
-            f"| {t} | {pairs} | {touched} | {t_grouped * 1e6:.1f} | {t_gemv * 1e6:.1f} | "
-            f"{t_grouped / t_gemv:.2f}x | {bound * 1e6:.1f} | "
-            f"{100 * bound / t_grouped:.0f}% | {100 * bound / t_gemv:.0f}% | "
-            f"{'GEMV' if on_default else 'grouped'} | {err_grouped:.1e} | {err_gemv:.1e} |"
+            f"| {t} | {pairs} | {touched} | {t_ours * 1e6:.1f} | {bound * 1e6:.1f} | "
+            f"{100 * bound / t_ours:.0f}% | {err:.1e} |"
         )
         print(line, flush=True)
         rows.append(line)
-        log.append(
-            {"moe_decode": t, "pairs": pairs, "grouped": t_grouped, "gemv": t_gemv,
-             "bound": bound, "err_grouped": err_grouped, "err_gemv": err_gemv}
-        )  # fmt: skip
+        log.append({"moe_decode": t, "pairs": pairs, "t": t_ours, "bound": bound, "err": err})
     return header + "\n" + "\n".join(rows)
-
-
-@contextlib.contextmanager
-def _gemv_max_pairs(pairs: int) -> Iterator[None]:
-    """Let `fused_moe`'s dispatch take the GEMV path up to `pairs` pairs (a graph captured
-    inside keeps the launches it recorded)."""
-    from engine.kernels import fused_moe as fm
-
-    old = fm.GEMV_MAX_PAIRS
-    fm.GEMV_MAX_PAIRS = max(old, pairs)
-    try:
-        yield
-    finally:
-        fm.GEMV_MAX_PAIRS = old
 
 
 def _moe_tune_grid(block_m: int) -> list[tuple[int, int, int, int]]:
@@ -642,7 +611,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--moe-decode-tokens", type=int, nargs="+", default=list(MOE_DECODE_TOKENS),
-        help="MoE decode table: grouped GEMMs against the GEMV path at these token counts",
+        help="MoE decode table (with the 2 shared-expert slots) at these token counts",
     )  # fmt: skip
     ap.add_argument("--no-mla", action="store_true")
     ap.add_argument("--no-moe", action="store_true")

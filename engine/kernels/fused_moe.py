@@ -6,9 +6,9 @@ multiple of BLOCK_M, in one Triton program with no sort and no host sync (CUDA-g
 Each GEMM program takes one BLOCK_M block, which belongs to exactly one expert, and one BLOCK_N
 slice of the output.
 
-Decode at a tiny batch (at most `GEMV_MAX_PAIRS` pairs) skips the alignment: each GEMV program
-takes one (token, expert) pair straight from topk_ids and one BLOCK_N slice, so no program is
-launched for padding and no align kernel runs.
+Decode runs the same grouped GEMMs, with narrow tiles (`default_moe_config`). A GEMV path for
+decode (one program per (token, expert) pair, no alignment) was tried and removed: on an H200 it
+was 0.71-0.98x of the grouped GEMMs at 1-8 tokens (perf/RESULTS.md, "Fused MoE").
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
-
-# At or below this many (token, expert) pairs `fused_moe` runs the GEMV kernels instead of the
-# aligned grouped GEMMs (V2-Lite's batch-1 decode is 6 routed + 2 shared = 8 pairs). A first
-# guess: to be tuned on the H200 with `perf/bench_kernels.py` (its decode MoE table).
-GEMV_MAX_PAIRS = 16
 
 
 class MoEAlignment(NamedTuple):
@@ -67,20 +62,6 @@ def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) ->
     else:
         tiles = MoETiles(MoEConfig(128, 128, 64, 8, 4), MoEConfig(128, 256, 64, 8, 4))
     if elem_bytes > 2:  # fp32: half the K tile
-        return MoETiles(*(c._replace(block_k=c.block_k // 2) for c in tiles))
-    return tiles
-
-
-def default_gemv_config(elem_bytes: int = 2) -> MoETiles:
-    """Tiles of the GEMV path (block_m unused: one pair per program). A first guess for
-    bandwidth, to be tuned on the H200: a [BLOCK_N, BLOCK_K] weight tile of 8K elements per
-    GEMM (gate/up loads two) keeps about 64 bytes per thread in flight with 4 warps, and the
-    grid at 8 pairs (704 up, 512 down programs) fills the 132 SMs several times over."""
-    if is_interpreter():
-        cfg = MoEConfig(1, 16, 32, 4, 1)
-        return MoETiles(cfg, cfg)
-    tiles = MoETiles(MoEConfig(1, 16, 256, 4, 3), MoEConfig(1, 32, 256, 4, 3))
-    if elem_bytes > 2:  # fp32: the same bytes per tile
         return MoETiles(*(c._replace(block_k=c.block_k // 2) for c in tiles))
     return tiles
 
@@ -155,24 +136,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 @triton.jit
-def _expert_weight(
-    b_ptr, s_ptr, expert, N, stride_be, stride_bn, num_routed, s_stride_be, s_stride_bn, s_up,
-    HAS_SHARED: tl.constexpr,
-):  # fmt: skip
-    """Expert `expert` (int64)'s weight [N (gate, then up at `up` when gated), K]: its base
-    pointer and its row stride `bn`. Ids from num_routed on are the shared experts' slots."""
-    b_base = b_ptr + expert * stride_be
-    bn = tl.cast(stride_bn, tl.int64)
-    up = tl.cast(N, tl.int64) * stride_bn
-    if HAS_SHARED:
-        if expert >= num_routed:  # slot j of the shared experts: a slice of their MLP weights
-            b_base = s_ptr + (expert - num_routed) * s_stride_be
-            bn = tl.cast(s_stride_bn, tl.int64)
-            up = tl.cast(s_up, tl.int64)
-    return b_base, bn, up
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, H] (A_DIV_TOPK) or activations [T * top_k, I]
     b_ptr,  # [E, N (x2 when GATED), K]: w13 or w2
@@ -204,10 +167,15 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_base, bn, up = _expert_weight(
-        b_ptr, s_ptr, expert, N, stride_be, stride_bn, num_routed, s_stride_be, s_stride_bn,
-        s_up, HAS_SHARED,
-    )  # fmt: skip
+    # The expert's weight [N (gate, then up at `up` when GATED), K], rows `bn` apart.
+    b_base = b_ptr + expert * stride_be
+    bn = tl.cast(stride_bn, tl.int64)
+    up = tl.cast(N, tl.int64) * stride_bn
+    if HAS_SHARED:
+        if expert >= num_routed:  # slot j of the shared experts: a slice of their MLP weights
+            b_base = s_ptr + (expert - num_routed) * s_stride_be
+            bn = tl.cast(s_stride_bn, tl.int64)
+            up = tl.cast(s_up, tl.int64)
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -240,20 +208,6 @@ class SharedExperts(NamedTuple):
     down: torch.Tensor  # [H, S]
 
 
-def _shared_args(
-    b: torch.Tensor, shared: torch.Tensor | None, n: int, k: int, gated: bool
-) -> tuple[torch.Tensor, int, int, int, int]:
-    """`_expert_weight`'s s_ptr, num_routed, s_stride_be, s_stride_bn, s_up for weight b
-    [E, N (x2 when gated), K] and the shared experts' matrix of the same GEMM."""
-    num_routed = b.shape[0]
-    if shared is None:
-        return (b, num_routed, 0, 0, 0)
-    if gated:  # gate_up [2 * S, K]: slot j starts at row j * n, up half S rows on
-        return (shared, num_routed, n * shared.stride(0), shared.stride(0),
-                shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
-    return (shared, num_routed, k, shared.stride(0), 0)  # down [N, S]: slot j is columns j*K..
-
-
 def _moe_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -269,7 +223,14 @@ def _moe_gemm(
     shared: torch.Tensor | None,
 ) -> None:
     k = a.shape[1]
-    s_args = _shared_args(b, shared, n, k, gated)
+    num_routed = b.shape[0]
+    if shared is None:
+        s_args = (b, num_routed, 0, 0, 0)
+    elif gated:  # gate_up [2 * S, K]: slot j starts at row j * n, up half S rows on
+        s_args = (shared, num_routed, n * shared.stride(0), shared.stride(0),
+                  shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
+    else:  # down [N, S]: slot j is columns j * K.., rows S apart
+        s_args = (shared, num_routed, k, shared.stride(0), 0)
     grid = (align.expert_ids.shape[0], triton.cdiv(n, cfg.block_n))
     _moe_gemm_kernel[grid](
         a, b, s_args[0], c, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
@@ -277,88 +238,6 @@ def _moe_gemm(
         *s_args[1:],
         A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-
-
-@triton.jit
-def _moe_gemv_kernel(
-    a_ptr,  # [rows, K]: hidden [T, H] (A_DIV_TOPK) or activations [T * top_k, I]
-    b_ptr,  # [E, N (x2 when GATED), K]: w13 or w2
-    s_ptr,  # HAS_SHARED: the shared experts' gate_up [2 * S, K] or down [N, S]
-    c_ptr,  # [T * top_k, N]
-    topk_w_ptr,  # [T * top_k] fp32
-    topk_ids_ptr,  # [T * top_k] the expert of each (token, k) pair
-    N, K, top_k,
-    stride_am, stride_be, stride_bn, stride_cm,
-    num_routed, s_stride_be, s_stride_bn, s_up,
-    A_DIV_TOPK: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One (token, expert) pair p and one BLOCK_N slice of its output row: no alignment, no
-    tensor cores (M is 1). The products are summed over K in a [BLOCK_N, BLOCK_K] fp32 tile,
-    reduced once at the end."""
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(topk_ids_ptr + p).to(tl.int64)
-    if A_DIV_TOPK:
-        a_row = p // top_k
-    else:
-        a_row = p
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row.to(tl.int64) * stride_am + offs_k
-    b_base, bn, up = _expert_weight(
-        b_ptr, s_ptr, expert, N, stride_be, stride_bn, num_routed, s_stride_be, s_stride_bn,
-        s_up, HAS_SHARED,
-    )  # fmt: skip
-    b_ptrs = b_base + offs_n[:, None].to(tl.int64) * bn + offs_k[None, :]  # [BN, BK]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-        mask = mask_n[:, None] & mask_k[None, :]
-        acc += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32) * a
-        if GATED:
-            acc_up += tl.load(b_ptrs + up, mask=mask, other=0.0).to(tl.float32) * a
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    out = tl.sum(acc, 1)
-    if GATED:
-        gate = out
-        out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, 1)  # silu(gate) * up
-    if MUL_WEIGHT:
-        out = out * tl.load(topk_w_ptr + p)
-    c_ptrs = c_ptr + p.to(tl.int64) * stride_cm + offs_n
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_n)
-
-
-def _moe_gemv(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    top_k: int,
-    n: int,
-    a_div_topk: bool,
-    gated: bool,
-    mul_weight: bool,
-    cfg: MoEConfig,
-    shared: torch.Tensor | None,
-) -> None:
-    # topk_ids, topk_weights [T * top_k] flat; c [T * top_k, n]
-    k = a.shape[1]
-    s_args = _shared_args(b, shared, n, k, gated)
-    grid = (c.shape[0], triton.cdiv(n, cfg.block_n))
-    _moe_gemv_kernel[grid](
-        a, b, s_args[0], c, topk_weights, topk_ids,
-        n, k, top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        *s_args[1:],
-        A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -422,9 +301,8 @@ def fused_moe(
     sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum).
 
     With `shared_experts`, ids E..E+n-1 in topk_ids name its n slots (`SharedExperts`).
-    Up to `GEMV_MAX_PAIRS` pairs run the GEMV kernels unless `config` names the grouped GEMMs'
-    tiles (the tuner's way to time them); either way no host sync and no data-dependent shape,
-    so a CUDA graph can capture it."""
+    `config` overrides the default tiles (the tuner's way to time them). No host sync and no
+    data-dependent shape, so a CUDA graph can capture it."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -436,23 +314,17 @@ def fused_moe(
         slots = shared_expert_slots(shared_experts, inter)
         assert slots > 0 and gate_up.shape == (2 * slots * inter, hidden_size)
         num_experts += slots
+    tiles = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
+    assert tiles.up.block_m == tiles.down.block_m
+    align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))
+    s13 = s2 = None
+    if shared_experts is not None:
+        s13, s2 = shared_experts
+    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up, s13)
     down_out = hidden.new_empty((num_tokens * top_k, hidden_size))
-    s13, s2 = shared_experts if shared_experts is not None else (None, None)
-    num_pairs = num_tokens * top_k
-    if config is None and 0 < num_pairs <= GEMV_MAX_PAIRS:
-        gemv = default_gemv_config(w13.element_size())
-        ids = topk_ids.reshape(-1)
-        _moe_gemv(hidden, w13, act, weights, ids, top_k, inter, True, True, False, gemv.up, s13)
-        _moe_gemv(act, w2, down_out, weights, ids, top_k, hidden_size, False, False, True,
-                  gemv.down, s2)  # fmt: skip
-    else:
-        tiles = config or default_moe_config(num_pairs, num_experts, w13.element_size())
-        assert tiles.up.block_m == tiles.down.block_m
-        align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
-        _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up,
-                  s13)  # fmt: skip
-        _moe_gemm(act, w2, down_out, weights, align, top_k, hidden_size, False, False, True,
-                  tiles.down, s2)  # fmt: skip
+    _moe_gemm(
+        act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, tiles.down, s2
+    )
     return _moe_sum(down_out.view(num_tokens, top_k, hidden_size), shared_output)

@@ -10,7 +10,6 @@ import torch
 
 from engine.kernels import fused_moe as fused_moe_module
 from engine.kernels.fused_moe import (
-    GEMV_MAX_PAIRS,
     SharedExperts,
     default_moe_config,
     fused_moe,
@@ -158,7 +157,7 @@ def _spy_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return run
 
-    for name in ("_moe_gemv", "_moe_gemm", "moe_align_block_size"):
+    for name in ("_moe_gemm", "moe_align_block_size"):
         monkeypatch.setattr(fused_moe_module, name, spy(name))
     return calls
 
@@ -191,7 +190,7 @@ def _decode_inputs(
 @pytest.mark.parametrize("slots", [0, 2])
 @pytest.mark.parametrize("with_shared_output", [False, True])
 @pytest.mark.parametrize("tokens", [1, 2, 3])
-def test_fused_moe_gemv_path(
+def test_fused_moe_decode(
     tokens: int,
     with_shared_output: bool,
     slots: int,
@@ -199,7 +198,7 @@ def test_fused_moe_gemv_path(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Decode batches (at most GEMV_MAX_PAIRS pairs) against the per-expert loop."""
+    """Decode batches (the grouped GEMMs at 2-12 pairs) against the per-expert loop."""
     calls = _spy_kernels(monkeypatch)
     args, shared, shared_output = _decode_inputs(tokens, slots, dtype)
     args = [t.to(device) for t in args]
@@ -208,7 +207,7 @@ def test_fused_moe_gemv_path(
     extra = shared_output.to(device) if with_shared_output else None
     out = fused_moe(*args, shared_output=extra, shared_experts=shared)
     ref = fused_moe_ref(*args, shared_output=extra, shared_experts=shared)
-    assert calls == ["_moe_gemv", "_moe_gemv"]  # up and down, no alignment
+    assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
     assert out.shape == ref.shape and out.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -217,24 +216,22 @@ def test_fused_moe_gemv_path(
 
 
 @pytest.mark.parametrize(
-    "tokens,top_k,forced,path",
+    "tokens,top_k,forced",
     [
-        (1, 8, False, "gemv"),  # 8 pairs, as V2-Lite's batch-1 decode (6 routed + 2 shared)
-        (GEMV_MAX_PAIRS // 4, 4, False, "gemv"),  # just at the threshold
-        (GEMV_MAX_PAIRS // 4 + 1, 4, False, "grouped"),  # one token over
-        (1, 8, True, "grouped"),  # an explicit config keeps the grouped GEMMs (the tuner)
+        (1, 8, False),  # 8 pairs, as V2-Lite's batch-1 decode (6 routed + 2 shared)
+        (5, 4, False),
+        (1, 8, True),  # an explicit config (the tuner's way to time tiles)
     ],
 )
 def test_fused_moe_dispatch(
     tokens: int,
     top_k: int,
     forced: bool,
-    path: str,
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Few pairs run the GEMV kernels, with no alignment; more pairs, or an explicit config, run
-    the aligned grouped GEMMs. Both give the reference's answer."""
+    """Every batch, with the default tiles or an explicit config, runs the alignment and the two
+    grouped GEMMs, and gives the reference's answer."""
     calls = _spy_kernels(monkeypatch)
     g = torch.Generator().manual_seed(tokens + top_k)
     experts, hidden, inter = 8, 32, 32
@@ -245,8 +242,5 @@ def test_fused_moe_dispatch(
     args = [t.to(device) for t in (x, w13, w2, topk_w, topk_ids)]
     config = default_moe_config(tokens * top_k, experts, 4) if forced else None
     out = fused_moe(*args, config=config)
-    if path == "gemv":
-        assert calls == ["_moe_gemv", "_moe_gemv"]
-    else:
-        assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
+    assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
     torch.testing.assert_close(out, fused_moe_ref(*args), rtol=1e-4, atol=1e-4)
