@@ -19,8 +19,10 @@
 #     server's rows as sweep.csv and sweep.png (perf/sweep.py's plot).
 # Settings (environment): TARGETS (server,engine; leave engine out to skip 4b; add server_inproc
 # for a second server run with the engine inside the stub, LLM_ENGINE_PROCESS=false, written to
-# server_inproc.json), CONCURRENCY, PROMPT_TOKENS, MAX_TOKENS, REQUESTS_PER_WORKER,
-# V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
+# server_inproc.json; add server_b for a run with the settings in SERVER_B_ENV, e.g.
+# "LLM_ENGINE_PROCESS=false", written to server_b.json; add engine_process for the requests
+# through EngineProcess without Triton, engine_process.json), CONCURRENCY, PROMPT_TOKENS,
+# MAX_TOKENS, REQUESTS_PER_WORKER, V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
 set -uo pipefail
 
 MODE=gpu
@@ -162,6 +164,7 @@ print(*[s.getsockname()[1] for s in socks])')
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$LOGS/${name}_ready.txt" 2>&1 || true
   step "4a. serve_bench through tritonserver (gRPC, $name)"
   $PY perf/serve_bench.py --target server --url "127.0.0.1:$grpc" "${BENCH[@]}" \
+    --metrics-url "http://127.0.0.1:$metrics/metrics" \
     --out "$OUT/$name.json" ${2:+--sweep-dir "$OUT"} 2>"$LOGS/bench_$name.err" >/dev/null
   rc=$?
   tail -5 "$LOGS/bench_$name.err"
@@ -176,6 +179,9 @@ RC_SERVER=$?
 if [[ ,$TARGETS, == *,server_inproc,* ]]; then  # the engine inside the stub, for comparison
   LLM_ENGINE_PROCESS=false serve server_inproc || RC_SERVER=1
 fi
+if [[ ,$TARGETS, == *,server_b,* ]]; then  # an A/B: the same server with SERVER_B_ENV's settings
+  (export ${SERVER_B_ENV:?server_b needs SERVER_B_ENV}; serve server_b) || RC_SERVER=1
+fi
 trap finish EXIT
 
 RC_ENGINE=0
@@ -187,17 +193,24 @@ if [[ ,$TARGETS, == *,engine,* ]]; then
   tail -5 "$LOGS/bench_engine.err"
 fi
 
+if [[ ,$TARGETS, == *,engine_process,* ]]; then
+  step "4c. serve_bench through EngineProcess (the engine in a child process, no Triton)"
+  $PY perf/serve_bench.py --target engine_process "${BENCH[@]}" \
+    --out "$OUT/engine_process.json" 2>"$LOGS/bench_engine_process.err" >/dev/null || RC_ENGINE=1
+  tail -5 "$LOGS/bench_engine_process.err"
+fi
+
 step "5. summary"
 $PY - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 res = {}
-for name in ("server", "server_inproc", "engine"):
+for name in ("server", "server_inproc", "server_b", "engine_process", "engine"):
     p = out / f"{name}.json"
     res[name] = json.loads(p.read_text()) if p.is_file() else None
 rows = []
-for name in ("server", "server_inproc"):
+for name in ("server", "server_inproc", "server_b", "engine_process"):
     if not (res[name] and res["engine"]):
         continue
     eng = {r["concurrency"]: r for r in res["engine"]["rows"]}

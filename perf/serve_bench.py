@@ -14,6 +14,8 @@ exactly `max_tokens` (min_tokens = max_tokens, ignore_eos, greedy), as in perf/s
 - `engine`: the same prompts through `AsyncEngine` in this process, configured as the server's
   model is (model_repository/llm/1/model.json plus LLM_<FIELD> variables), so the two runs can
   be divided. Run it when no server holds the GPU.
+- `engine_process`: the same through `EngineProcess` (the engine in a child process, as the
+  Triton model runs it by default), without Triton: what the process boundary costs on its own.
 
 Both time a request's tokens by their arrival, whether or not they decode to text (the server is
 asked for `num_output_tokens` in every response). Figures per concurrency (latencies in ms):
@@ -34,7 +36,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,12 +171,28 @@ def run_server_level(
 # ---- through the engine, in this process ------------------------------------------------------
 
 
-def make_engine() -> Any:
+def make_engine(target: str) -> Any:
     from engine.async_engine import AsyncEngine
     from engine.config import load_engine_config
+    from engine.engine_process import EngineProcess
 
     config = load_engine_config(MODEL_JSON, REPO, os.environ)
-    return AsyncEngine(config)
+    return EngineProcess(config) if target == "engine_process" else AsyncEngine(config)
+
+
+async def stream(engine: Any, prompt: str, sp: Any) -> AsyncIterator[Any]:
+    """A request's deltas through `add_request` and its callback, which `AsyncEngine` and
+    `EngineProcess` share (the callback runs on their own thread)."""
+    loop = asyncio.get_running_loop()
+    deltas: asyncio.Queue[Any] = asyncio.Queue()
+    engine.add_request(
+        uuid.uuid4().hex, prompt, sp, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)
+    )
+    while True:
+        delta = await deltas.get()
+        yield delta
+        if delta.finished:
+            return
 
 
 def run_engine_level(
@@ -187,7 +205,7 @@ def run_engine_level(
 
     async def one(prompt: str) -> Timing:
         t = Timing(sent=time.perf_counter())
-        async for delta in engine.generate(prompt, sp):
+        async for delta in stream(engine, prompt, sp):
             now = time.perf_counter()
             if delta.error:
                 t.error = delta.error
@@ -207,6 +225,22 @@ def run_engine_level(
     start = time.perf_counter()
     results = asyncio.run(level())
     return [t for r in results for t in r], start, time.perf_counter()
+
+
+def stub_ttft(metrics_url: str | None) -> tuple[float, int] | None:
+    """The server's llm_time_to_first_token_seconds (sum, count), or None."""
+    if not metrics_url:
+        return None
+    import urllib.request
+
+    total, count = 0.0, 0
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("llm_time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("llm_time_to_first_token_seconds_count"):
+                count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -233,6 +267,7 @@ def summarize(
         "output_tokens": len(ok) * max_tokens,
         "duration_s": round(span, 4),
         "output_tok_per_s": round(len(ok) * max_tokens / span, 2) if span > 0 else None,
+        "ttft_mean_ms": round(float(ttft.mean()), 3) if ttft.size else None,
         "ttft_p50_ms": pct(ttft, 50),
         "ttft_p99_ms": pct(ttft, 99),
         "itl_p50_ms": pct(itl, 50),
@@ -249,7 +284,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     words = single_token_words(tokenizer)
     levels = [int(c) for c in str(args.concurrency).split(",") if c]
-    engine = make_engine() if args.target == "engine" else None
+    engine = make_engine(args.target) if args.target != "server" else None
     run: Callable[[list[str], int, int], tuple[list[Timing], float, float]]
     if engine is not None:
 
@@ -275,8 +310,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
             ]
             seed += n + 1
+            before = stub_ttft(args.metrics_url)
             timings, start, end = run(prompts, c, args.max_tokens)
             row = summarize(timings, start, end, c, args.max_tokens)
+            after = stub_ttft(args.metrics_url)
+            if before and after and after[1] > before[1]:
+                # the model's own TTFT (its execute() to the first delta on its response thread)
+                row["stub_ttft_mean_ms"] = round(
+                    1e3 * (after[0] - before[0]) / (after[1] - before[1]), 3
+                )
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     finally:
@@ -329,9 +371,14 @@ def write_sweep(res: dict[str, Any], out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--target", choices=("server", "engine"), default="server")
+    ap.add_argument("--target", choices=("server", "engine", "engine_process"), default="server")
     ap.add_argument("--url", default="localhost:8001", help="gRPC host:port (server target)")
     ap.add_argument("--model", default="llm")
+    ap.add_argument(
+        "--metrics-url",
+        default=None,
+        help="server target: the server's metrics URL; adds the model's own mean TTFT per level",
+    )
     ap.add_argument("--concurrency", default="1,16,64", help="comma-separated")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
