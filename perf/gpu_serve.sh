@@ -15,8 +15,9 @@
 #  3. `python3 -m engine.serve` with LLM_MODEL and LLM_ settings, wait until ready;
 #  4. perf/serve_bench.py over gRPC at each concurrency, stop the server, then the same requests
 #     through AsyncEngine in-process (engine-direct);
-#  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz, and the
-#     server's rows as sweep.csv and sweep.png (perf/sweep.py's plot).
+#  5. under $OUT (at most 8 files): server.json, engine.json, summary.json, logs.tar.gz (with
+#     cpu_<target>.txt: the busiest threads each second of each benchmark, perf/cpu_sampler.py),
+#     and the server's rows as sweep.csv and sweep.png (perf/sweep.py's plot).
 # Settings (environment): TARGETS (server,engine; leave engine out to skip 4b; add server_inproc
 # for a second server run with the engine inside the stub, LLM_ENGINE_PROCESS=false, written to
 # server_inproc.json; add server_b for a run with the settings in SERVER_B_ENV, e.g.
@@ -48,6 +49,9 @@ fi
 : "${READY_TIMEOUT:=420}" "${TARGETS:=server,engine}"
 PYV=$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 step() { echo "=== $(date +%T) $*"; }
+# the busiest threads once a second while NAME's benchmark runs (perf/cpu_sampler.py)
+sample_cpu() { $PY perf/cpu_sampler.py --out "$LOGS/cpu_$1.txt" & SAMPLER=$!; }
+stop_cpu() { kill "$SAMPLER" 2>/dev/null; wait "$SAMPLER" 2>/dev/null; }
 
 finish() {
   step "packing logs"
@@ -163,10 +167,12 @@ print(*[s.getsockname()[1] for s in socks])')
   echo "ready after $(($(date +%s) - t0)) s (http $http, grpc $grpc)" | tee "$LOGS/${name}_ready.txt"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv >>"$LOGS/${name}_ready.txt" 2>&1 || true
   step "4a. serve_bench through tritonserver (gRPC, $name)"
+  sample_cpu "$name"
   $PY perf/serve_bench.py --target server --url "127.0.0.1:$grpc" "${BENCH[@]}" \
     --metrics-url "http://127.0.0.1:$metrics/metrics" \
     --out "$OUT/$name.json" ${2:+--sweep-dir "$OUT"} 2>"$LOGS/bench_$name.err" >/dev/null
   rc=$?
+  stop_cpu
   tail -5 "$LOGS/bench_$name.err"
   curl -s "http://127.0.0.1:$metrics/metrics" >"$LOGS/${name}_metrics.txt" 2>/dev/null || true
   stop_server
@@ -187,16 +193,20 @@ trap finish EXIT
 RC_ENGINE=0
 if [[ ,$TARGETS, == *,engine,* ]]; then
   step "4b. serve_bench engine-direct (AsyncEngine in this process)"
+  sample_cpu engine
   $PY perf/serve_bench.py --target engine "${BENCH[@]}" \
     --out "$OUT/engine.json" 2>"$LOGS/bench_engine.err" >/dev/null
   RC_ENGINE=$?
+  stop_cpu
   tail -5 "$LOGS/bench_engine.err"
 fi
 
 if [[ ,$TARGETS, == *,engine_process,* ]]; then
   step "4c. serve_bench through EngineProcess (the engine in a child process, no Triton)"
+  sample_cpu engine_process
   $PY perf/serve_bench.py --target engine_process "${BENCH[@]}" \
     --out "$OUT/engine_process.json" 2>"$LOGS/bench_engine_process.err" >/dev/null || RC_ENGINE=1
+  stop_cpu
   tail -5 "$LOGS/bench_engine_process.err"
 fi
 

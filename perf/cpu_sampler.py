@@ -1,0 +1,81 @@
+"""Where the machine's CPU time goes while a benchmark runs: the busiest threads, once a second.
+
+    python3 perf/cpu_sampler.py --out cpu.txt &   # ... run the benchmark ..., then kill it
+
+Reads /proc only (the device machine has no ps or top). Each line: the time, the machine's busy
+CPUs over the last interval (of its online CPUs), then the busiest threads as
+`pid/tid:name cpu%` (100% = one CPU), so that a thread near 100% (a Python thread that is the
+bottleneck) or a machine near its CPU count stands out. The cgroup's CPU quota, if any, is
+written first: a container can have fewer CPUs to use than it sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def thread_times() -> dict[str, tuple[str, int]]:
+    """'pid/tid' -> (name, utime + stime ticks) for every thread on the machine."""
+    out: dict[str, tuple[str, int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[f"{pid}/{tid}"] = (name, int(fields[11]) + int(fields[12]))
+    return out
+
+
+def busy_ticks() -> int:
+    cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    idle = int(cpu[3]) + int(cpu[4])  # idle + iowait
+    return sum(int(x) for x in cpu[:8]) - idle
+
+
+def quota() -> str:
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        try:
+            return f"{path}: {Path(path).read_text().strip()}"
+        except OSError:
+            continue
+    return "no cgroup CPU quota file"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--top", type=int, default=8, help="threads per line")
+    args = ap.parse_args()
+    with args.out.open("w", buffering=1) as f:
+        f.write(f"online CPUs {os.cpu_count()}; {quota()}\n")
+        before, busy0, t0 = thread_times(), busy_ticks(), time.monotonic()
+        while True:
+            time.sleep(args.interval)
+            now, busy1, t1 = thread_times(), busy_ticks(), time.monotonic()
+            span = (t1 - t0) * TICKS
+            rows = []
+            for key, (name, ticks) in now.items():
+                used = ticks - before.get(key, (name, ticks))[1]
+                if used > 0:
+                    rows.append((100.0 * used / span, f"{key}:{name}"))
+            rows.sort(reverse=True)
+            top = " ".join(f"{who} {pct:.0f}%" for pct, who in rows[: args.top])
+            f.write(f"{time.strftime('%T')} busy {(busy1 - busy0) / span:.1f} CPUs | {top}\n")
+            before, busy0, t0 = now, busy1, t1
+
+
+if __name__ == "__main__":
+    main()
