@@ -26,10 +26,34 @@ def test_serve_bench_server_target(server: Server, tmp_path: Path) -> None:
             "--prompt-tokens=12",
             "--max-tokens=4",
             "--requests-per-worker=1",
+            f"--metrics-url={server.metrics_url}",
             f"--out={out}",
         ]
     )
     assert rc == 0
+    rows = check_rows(out)
+    for row in rows:  # the model's own TTFT, from the server's histogram, within the client's
+        assert 0 < row["stub_ttft_mean_ms"] <= row["ttft_mean_ms"]
+
+
+def test_serve_bench_engine_process_target(tmp_path: Path) -> None:
+    """The same requests through EngineProcess (the engine in a child process, no Triton)."""
+    out = tmp_path / "engine_process.json"
+    rc = serve_bench.main(
+        [
+            "--target=engine_process",
+            "--concurrency=1,2",
+            "--prompt-tokens=12",
+            "--max-tokens=4",
+            "--requests-per-worker=1",
+            f"--out={out}",
+        ]
+    )
+    assert rc == 0
+    check_rows(out)
+
+
+def check_rows(out: Path) -> list[dict]:
     res = json.loads(out.read_text())
     assert [r["concurrency"] for r in res["rows"]] == [1, 2]
     for row in res["rows"]:
@@ -38,6 +62,8 @@ def test_serve_bench_server_target(server: Server, tmp_path: Path) -> None:
         assert row["output_tok_per_s"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert row["itl_p50_ms"] > 0
+    rows: list[dict] = res["rows"]
+    return rows
 
 
 def test_prompt_has_the_asked_token_count() -> None:
