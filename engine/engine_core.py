@@ -248,7 +248,8 @@ class EngineCore:
             logger.exception("callback of request %s failed", req.rid)
 
     def shutdown(self) -> None:
-        """Release the model runner's resources: stops tensor-parallel worker processes."""
+        """Release the model runner's resources (its device memory, its tensor-parallel worker
+        processes); the engine runs no step afterwards."""
         self.runner.shutdown()
 
     def fail_all(self, error: str) -> None:

@@ -30,8 +30,8 @@ class LLM:
         return self.core.tokenizer
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes now (they also stop when the LLM is collected
-        or the process exits)."""
+        """Release the engine's device memory and stop its tensor-parallel worker processes now
+        (both also go when the LLM is collected or the process exits)."""
         self.core.shutdown()
 
     def generate(

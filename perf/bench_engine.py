@@ -457,6 +457,14 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
+def compiled_sizes(llm: LLM) -> list[int]:
+    """With graphs: the batch sizes compiled at start-up (none if compiling failed and the
+    graphs were captured without); without (CPU): the sizes the runs compiled."""
+    runner = llm.core.runner
+    compiled = runner.graph_runner or runner.compiled_decode
+    return sorted(getattr(compiled, "compiled_sizes", []))
+
+
 class Bench:
     def __init__(
         self,
@@ -491,7 +499,9 @@ class Bench:
 
     def release(self) -> None:
         """Give the memory of engines that are gone back to the device: the next engine sizes
-        its KV pool from what is free. Callers drop their last reference first."""
+        its KV pool from what is free. Callers shut the engine down and drop their last
+        reference first (to the LLM and to anything of its runner: a graph runner held in a
+        local keeps the weights and the KV pool)."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -576,17 +586,13 @@ class Bench:
             return {"unavailable": str(e)}
         out: dict[str, Any] = dict(layers=layers, engine_s=time.perf_counter() - t0)
         try:
-            runner = llm.core.runner
             ceil = self.ceilings(llm, "bf16")
             out["batch1"] = self.batch1(llm, ceil)
             out["runs"] = []
             for n in self.args.compile_ns_list:
                 out["runs"].append(dict(kv="bf16", **self.run_n(llm, n, ceil)))
                 say(f"graphs + compile ({layers}): " + row(out["runs"][-1]))
-            # With graphs: the sizes compiled at start-up (none if compiling failed and the
-            # graphs were captured without); without (CPU): the sizes the runs compiled.
-            compiled = runner.graph_runner or runner.compiled_decode
-            out["compiled_sizes"] = sorted(getattr(compiled, "compiled_sizes", []))
+            out["compiled_sizes"] = compiled_sizes(llm)
             return out
         finally:
             llm.shutdown()

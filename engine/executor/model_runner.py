@@ -45,6 +45,18 @@ from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+# The attributes that hold device memory, directly or through what they own (the graph runner:
+# its graphs, their memory pool and the compiled forward; the compiled decode: its dynamo
+# code): `shutdown()` drops them.
+DEVICE_STATE = (
+    "graph_runner",
+    "compiled_decode",
+    "ctx",
+    "attn_backend",
+    "kv_pool",
+    "req_to_token",
+    "model",
+)
 
 
 @contextlib.contextmanager
@@ -171,10 +183,23 @@ class ModelRunner:
         )  # fmt: skip
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (rank 0; a no-op otherwise). Idempotent."""
+        """Stop the tensor-parallel workers (rank 0) and release this rank's device memory: the
+        weights, the KV pool, the CUDA graphs and their memory pool, the compiled forward. The
+        runner serves no batch afterwards. Idempotent.
+
+        NOTE: the memory goes even while something still holds the runner (a caller's local,
+        a traceback): the next engine of the process sizes its KV pool from the free memory.
+        """
         if self.workers is not None:
             self.workers.shutdown()
         self.parallel.close()
+        with DEVICE_LOCK:  # after a step in flight on another thread (AsyncEngine's loop)
+            for name in DEVICE_STATE:
+                vars(self).pop(name, None)
+            self._generators.clear()
+            self._last_sampled = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, for the next engine or process
 
     # ---- set-up -------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int) -> KVPool:
@@ -241,6 +266,9 @@ class ModelRunner:
         probe = self._make_kv_pool(1)
         per_token = probe.bytes_per_token()
         del probe
+        # Memory that PyTorch's allocator still caches (an engine of this process that was
+        # dropped without shutdown()) is free to us, but mem_get_info counts it as used.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - total * (1.0 - self.config.mem_fraction)
         slots = int(budget // per_token)
