@@ -28,7 +28,7 @@ from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_toke
 from engine.executor.launched_step import LaunchedStep, SampleRequest
 from engine.executor.model_runner import ModelRunner
 from engine.input_processor import InputProcessor
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import ScheduleOutput, Scheduler
@@ -44,6 +44,7 @@ class _ReqState:
     callback: Callback
     detokenizer: IncrementalDetokenizer | NoDetokenizer
     stop_ids: frozenset[int]
+    metrics: RequestMetrics
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
 
@@ -124,6 +125,7 @@ class EngineCore:
             callback=callback,
             detokenizer=self._detokenizer(prompt_ids, params),
             stop_ids=frozenset(stop_ids),
+            metrics=RequestMetrics(arrival=time.monotonic()),
         )
 
     def check_params(self, params: SamplingParams) -> None:
@@ -172,6 +174,11 @@ class EngineCore:
         requests = [self._sample_request(req) for req in sampled]
         step = self.runner.launch(out.batch, out.sample_rows, requests)
         self.scheduler.on_batch_launched(out)
+        now = time.monotonic()
+        for req in out.reqs:
+            metrics = self.states[req.rid].metrics
+            if metrics.first_scheduled is None:
+                metrics.first_scheduled = now
         blocks = any(req.params.repetition_penalty != 1.0 for req in sampled)
         return _Launched(out, step, blocks)
 
@@ -205,6 +212,8 @@ class EngineCore:
 
     def _on_token(self, state: _ReqState, token: int, logprob: float | None) -> None:
         req, params = state.req, state.req.params
+        if state.metrics.first_token is None:
+            state.metrics.first_token = time.monotonic()
         delta = RequestOutput(request_id=req.rid, token_ids=[token])
         if logprob is not None and params.logprobs:
             delta.logprobs = [logprob]
@@ -233,6 +242,8 @@ class EngineCore:
             delta.text += state.detokenizer.flush()
         delta.finished = True
         delta.finish_reason = reason
+        state.metrics.finished = time.monotonic()
+        delta.metrics = state.metrics
         self._emit(state, delta)
 
     def _emit(self, state: _ReqState, delta: RequestOutput) -> None:

@@ -16,12 +16,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import EngineStats
+from engine.outputs import EngineStats, RequestMetrics
 
 TTFT_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
 ITL_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 FINISH_REASONS = ("stop", "length", "abort")
+# (RequestTiming field, metric name, help text): the engine's own stages of a request
+STAGES = (
+    (
+        "queue_time",
+        "llm_request_queue_time_seconds",
+        "Engine: arrival to the first scheduled batch.",
+    ),
+    (
+        "prefill_time",
+        "llm_request_prefill_time_seconds",
+        "Engine: first scheduled batch to the first token.",
+    ),
+)
 
 # stats field -> (metric name, help text)
 COUNTERS = {
@@ -50,6 +63,8 @@ class RequestTiming:
     ttft: float | None  # None when no token was produced
     inter_token: list[float] = field(default_factory=list)
     e2e: float = 0.0
+    queue_time: float | None = None  # the engine's RequestMetrics, when it sent them
+    prefill_time: float | None = None
 
 
 @dataclass
@@ -74,11 +89,19 @@ class RequestTimer:
             self.gaps.extend([(now - self.last_token_at) / n] * n)
         self.last_token_at = now
 
-    def timing(self, now: float | None = None) -> RequestTiming:
-        """The finished request's latencies."""
+    def timing(
+        self, now: float | None = None, engine: RequestMetrics | None = None
+    ) -> RequestTiming:
+        """The finished request's latencies; `engine`: the engine's stages of it."""
         now = time.monotonic() if now is None else now
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        return RequestTiming(ttft=ttft, inter_token=self.gaps, e2e=now - self.arrival)
+        return RequestTiming(
+            ttft=ttft,
+            inter_token=self.gaps,
+            e2e=now - self.arrival,
+            queue_time=engine.queue_time if engine else None,
+            prefill_time=engine.prefill_time if engine else None,
+        )
 
 
 class MetricsExporter:
@@ -113,6 +136,12 @@ class MetricsExporter:
             "Request latency, arrival to last token.",
             family.HISTOGRAM,
         ).Metric(labels=self._labels, buckets=E2E_BUCKETS)
+        self._stages = {
+            key: make(name, text, family.HISTOGRAM).Metric(
+                labels=self._labels, buckets=TTFT_BUCKETS
+            )
+            for key, name, text in STAGES
+        }
         self._counters = {
             key: make(name, text, family.COUNTER).Metric(labels=self._labels)
             for key, (name, text) in COUNTERS.items()
@@ -158,6 +187,10 @@ class MetricsExporter:
         for gap in timing.inter_token:
             self._itl.observe(gap)
         self._e2e.observe(timing.e2e)
+        for key, metric in self._stages.items():
+            seconds = getattr(timing, key)
+            if seconds is not None:
+                metric.observe(seconds)
 
     def _publish_stats(self) -> None:
         try:

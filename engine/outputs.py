@@ -6,6 +6,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class RequestMetrics:
+    """When the engine saw a request pass each stage, in `time.monotonic()` seconds (one clock
+    for every process of the machine), as vLLM's RequestMetrics: `arrival` (the engine took
+    it), `first_scheduled` (its first prefill batch was launched), `first_token` (the engine
+    had its first output token), `finished`. A stage it never reached is None."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first scheduled batch."""
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        """Seconds from the first scheduled batch to the first token (every prefill chunk)."""
+        if self.first_scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+
+@dataclass
 class RequestOutput:
     """One streamed step of a request (a delta), or the final result when `finished`.
 
@@ -25,6 +50,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cumulative_logprob: float = 0.0
     error: str | None = None
+    metrics: RequestMetrics | None = None  # on the finished delta only
 
 
 @dataclass

@@ -61,6 +61,8 @@ class Timing:
     last: float | None = None
     chunks: int = 0
     error: str | None = None
+    queue: float | None = None  # the engine's own stages (engine targets: RequestMetrics)
+    prefill: float | None = None
 
 
 def single_token_words(tokenizer: Any, limit: int = 2000) -> list[str]:
@@ -213,6 +215,8 @@ def run_engine_level(
                 t.first = t.first if t.first is not None else now
                 t.last = now
                 t.chunks += 1
+            if delta.metrics is not None:
+                t.queue, t.prefill = delta.metrics.queue_time, delta.metrics.prefill_time
         return t
 
     async def worker(chunk: list[str]) -> list[Timing]:
@@ -227,20 +231,55 @@ def run_engine_level(
     return [t for r in results for t in r], start, time.perf_counter()
 
 
-def stub_ttft(metrics_url: str | None) -> tuple[float, int] | None:
-    """The server's llm_time_to_first_token_seconds (sum, count), or None."""
+# row field -> the server's histogram whose per-level mean it reports (--metrics-url)
+SERVER_MEANS = {
+    "stub_ttft_mean_ms": "llm_time_to_first_token_seconds",  # execute() to the first delta
+    "engine_queue_mean_ms": "llm_request_queue_time_seconds",
+    "engine_prefill_mean_ms": "llm_request_prefill_time_seconds",
+}
+
+
+def histogram_totals(metrics_url: str | None) -> dict[str, tuple[float, int]]:
+    """(sum, count) of each SERVER_MEANS histogram on the server's metrics page ({}: no URL)."""
     if not metrics_url:
-        return None
+        return {}
     import urllib.request
 
-    total, count = 0.0, 0
+    totals = {name: [0.0, 0] for name in SERVER_MEANS.values()}
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("llm_time_to_first_token_seconds_sum"):
-                total += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("llm_time_to_first_token_seconds_count"):
-                count += int(float(line.rsplit(" ", 1)[1]))
-    return total, count
+            if line.startswith("#") or " " not in line:
+                continue
+            key, value = line.rsplit(" ", 1)  # name{labels} value
+            base, _, kind = key.partition("{")[0].rpartition("_")
+            if base in totals and kind in ("sum", "count"):
+                totals[base][kind == "count"] += float(value)
+    return {name: (total, int(count)) for name, (total, count) in totals.items()}
+
+
+def level_means(
+    before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]
+) -> dict[str, float]:
+    """Per-level means in ms of the histograms that got observations between the two reads."""
+    means = {}
+    for field_name, metric in SERVER_MEANS.items():
+        if metric in before and metric in after:
+            (s0, c0), (s1, c1) = before[metric], after[metric]
+            if c1 > c0:
+                means[field_name] = round(1e3 * (s1 - s0) / (c1 - c0), 3)
+    return means
+
+
+def engine_means(timings: list[Timing]) -> dict[str, float]:
+    """Engine targets: mean queue and prefill time in ms from the engine's RequestMetrics."""
+    means = {}
+    for field_name, values in (
+        ("engine_queue_mean_ms", [t.queue for t in timings if t.queue is not None]),
+        ("engine_prefill_mean_ms", [t.prefill for t in timings if t.prefill is not None]),
+    ):
+        if values:
+            means[field_name] = round(1e3 * float(np.mean(values)), 3)
+    return means
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -251,7 +290,7 @@ def summarize(
 ) -> dict[str, Any]:
     ok = [t for t in timings if t.error is None and t.first is not None and t.last is not None]
     errors = [t.error for t in timings if t.error is not None]
-    span = (max(t.last for t in ok) - start) if ok else end - start  # type: ignore[type-var]
+    span = (max(t.last for t in ok) - start) if ok else end - start  # type: ignore[type-var,operator]
     ttft = np.array([(t.first - t.sent) * 1e3 for t in ok])  # type: ignore[operator]
     itl = np.array([(t.last - t.first) * 1e3 / max(max_tokens - 1, 1) for t in ok])  # type: ignore[operator]
     e2e = np.array([(t.last - t.sent) * 1e3 for t in ok])  # type: ignore[operator]
@@ -275,6 +314,7 @@ def summarize(
         "e2e_p50_ms": pct(e2e, 50),
         "e2e_p99_ms": pct(e2e, 99),
         "chunks_per_request": round(float(np.mean([t.chunks for t in ok])), 2) if ok else None,
+        **engine_means(ok),
     }
 
 
@@ -310,15 +350,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
             ]
             seed += n + 1
-            before = stub_ttft(args.metrics_url)
+            before = histogram_totals(args.metrics_url)
             timings, start, end = run(prompts, c, args.max_tokens)
             row = summarize(timings, start, end, c, args.max_tokens)
-            after = stub_ttft(args.metrics_url)
-            if before and after and after[1] > before[1]:
-                # the model's own TTFT (its execute() to the first delta on its response thread)
-                row["stub_ttft_mean_ms"] = round(
-                    1e3 * (after[0] - before[0]) / (after[1] - before[1]), 3
-                )
+            row.update(level_means(before, histogram_totals(args.metrics_url)))
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     finally:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParamsError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -341,3 +343,32 @@ def test_token_ids_only_without_a_tokenizer(tiny_llama: str, tmp_path) -> None:
             engine.add_request("t", "Hello", GREEDY, lambda d: None)
     finally:
         engine.shutdown()
+
+
+def test_final_delta_carries_the_request_stages(tiny_llama: str) -> None:
+    """RequestMetrics on the finished delta: arrival <= first scheduled <= first token <=
+    finished; a request aborted before it was scheduled has neither of the middle two."""
+    core = LLM(tiny_llama, dtype="float32", max_total_tokens=256).core
+    finals: dict[str, RequestOutput] = {}
+
+    def keep(out: RequestOutput) -> None:
+        if out.finished:
+            finals[out.request_id] = out
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    before = time.monotonic()
+    core.add_request("run", [300 + j for j in range(9)], params, keep)
+    core.add_request("gone", [400 + j for j in range(9)], params, keep)
+    core.abort("gone")
+    while core.has_work():
+        core.step()
+    after = time.monotonic()
+    m = finals["run"].metrics
+    assert m is not None and m.first_scheduled is not None and m.first_token is not None
+    assert m.finished is not None
+    assert before <= m.arrival <= m.first_scheduled <= m.first_token <= m.finished <= after
+    assert m.queue_time is not None and m.prefill_time is not None and m.prefill_time >= 0
+    gone = finals["gone"].metrics
+    assert gone is not None and gone.first_scheduled is None and gone.first_token is None
+    assert gone.queue_time is None and gone.prefill_time is None
+    assert all(f.metrics is not None for f in finals.values())

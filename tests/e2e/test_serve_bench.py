@@ -34,6 +34,12 @@ def test_serve_bench_server_target(server: Server, tmp_path: Path) -> None:
     rows = check_rows(out)
     for row in rows:  # the model's own TTFT, from the server's histogram, within the client's
         assert 0 < row["stub_ttft_mean_ms"] <= row["ttft_mean_ms"]
+        # and the engine's stages (its RequestMetrics) within the model's TTFT
+        assert 0 <= row["engine_queue_mean_ms"]
+        assert 0 < row["engine_prefill_mean_ms"]
+        assert (
+            row["engine_queue_mean_ms"] + row["engine_prefill_mean_ms"] <= row["stub_ttft_mean_ms"]
+        )
 
 
 def test_serve_bench_engine_process_target(tmp_path: Path) -> None:
@@ -50,7 +56,9 @@ def test_serve_bench_engine_process_target(tmp_path: Path) -> None:
         ]
     )
     assert rc == 0
-    check_rows(out)
+    for row in check_rows(out):  # the engine's stages, from each final delta's RequestMetrics
+        assert 0 <= row["engine_queue_mean_ms"]
+        assert 0 < row["engine_prefill_mean_ms"] <= row["ttft_mean_ms"]
 
 
 def check_rows(out: Path) -> list[dict]:

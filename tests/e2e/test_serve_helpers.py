@@ -16,7 +16,7 @@ import pytest
 
 from engine.config import ConfigError, EngineConfig, engine_config_dict
 from engine.metrics import MetricsExporter, RequestTimer, RequestTiming
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.serve import REPO_ROOT
 from engine.serving.disconnects import (
@@ -166,6 +166,7 @@ def test_metrics_exporter_publishes_differences() -> None:
 
     exporter = MetricsExporter(FakePbUtils(), {"model": "llm"}, stats_fn, interval_s=0.01)
     exporter.observe_request(RequestTiming(ttft=0.1, inter_token=[0.02, 0.03], e2e=0.2))
+    exporter.observe_request(RequestTiming(ttft=0.3, e2e=0.5, queue_time=0.05, prefill_time=0.125))
     time.sleep(0.1)
     exporter.close()
     made = FakeFamily.made
@@ -175,8 +176,11 @@ def test_metrics_exporter_publishes_differences() -> None:
     assert made["llm_kv_cache_usage_ratio"].metrics[0].value == 0.25
     by_reason = {m.labels["reason"]: m.value for m in made["llm_request_finished_total"].metrics}
     assert by_reason == {"stop": 1, "length": 2, "abort": 0}
-    assert made["llm_time_to_first_token_seconds"].metrics[0].observed == [0.1]
+    assert made["llm_time_to_first_token_seconds"].metrics[0].observed == [0.1, 0.3]
     assert made["llm_inter_token_latency_seconds"].metrics[0].observed == [0.02, 0.03]
+    # the engine's stages: only the request whose final delta carried them
+    assert made["llm_request_queue_time_seconds"].metrics[0].observed == [0.05]
+    assert made["llm_request_prefill_time_seconds"].metrics[0].observed == [0.125]
 
 
 def test_request_timer_splits_a_multi_token_delta() -> None:
@@ -186,6 +190,18 @@ def test_request_timer_splits_a_multi_token_delta() -> None:
     timing = timer.timing(now=11.0)
     assert timing.ttft == 0.5 and timing.e2e == 1.0
     assert timing.inter_token == pytest.approx([0.1, 0.1])
+    assert timing.queue_time is None and timing.prefill_time is None
+
+
+def test_request_timer_takes_the_engine_stages() -> None:
+    timer = RequestTimer(arrival=10.0)
+    timer.on_tokens(1, now=10.5)
+    engine = RequestMetrics(arrival=10.1, first_scheduled=10.15, first_token=10.4, finished=10.9)
+    timing = timer.timing(now=11.0, engine=engine)
+    assert timing.queue_time == pytest.approx(0.05)
+    assert timing.prefill_time == pytest.approx(0.25)
+    unscheduled = timer.timing(now=11.0, engine=RequestMetrics(arrival=10.1, finished=10.2))
+    assert unscheduled.queue_time is None and unscheduled.prefill_time is None
 
 
 # --- the request/response protocol (engine.serving.protocol) ------------------------------------

@@ -223,6 +223,9 @@ def test_genai_perf_style_input(server: Server) -> None:
 
 
 def test_metrics_after_traffic(server: Server) -> None:
+    # traffic of its own, so that the test holds when run alone
+    body = {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 4})}
+    assert post_json(server, "generate", body)["text_output"]
     names = [
         "llm_prompt_tokens_total",
         "llm_generation_tokens_total",
@@ -230,6 +233,8 @@ def test_metrics_after_traffic(server: Server) -> None:
         "llm_time_to_first_token_seconds_count",
         "llm_inter_token_latency_seconds_count",
         "llm_e2e_request_latency_seconds_count",
+        "llm_request_queue_time_seconds_count",
+        "llm_request_prefill_time_seconds_count",
         "llm_request_finished_total",
     ]
     assert wait_for(lambda: all(scrape(server).get(n, 0) > 0 for n in names), timeout=5)

@@ -163,7 +163,7 @@ class TritonPythonModel:
             return
         if reply.final:  # the only place the final flag is sent
             del self.active[st.request_id]
-            self.metrics.observe_request(st.timer.timing())
+            self.metrics.observe_request(st.timer.timing(engine=out.metrics))
         if reply.error is not None:
             response = _error(reply.error)
         elif reply.outputs is None:
