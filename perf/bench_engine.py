@@ -431,6 +431,11 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
         if not str(e.device_type).endswith("CUDA"):
             cpu_names[e.name] += 1
     launches = sum(n for k, n in cpu_names.items() if "LaunchKernel" in k)
+    syncs = sum(n for k, n in cpu_names.items() if k.endswith("Synchronize"))
+    host_self: dict[str, float] = defaultdict(float)  # host ops by their own time (us)
+    for e in events:
+        if not str(e.device_type).endswith("CUDA"):
+            host_self[e.name] += e.self_cpu_time_total
     prof_walls = [r.seconds for r in records if r.profiled and r.decode]
     walls = [r.seconds for r in records if not r.profiled and r.decode]
     wall_ms = 1e3 * statistics.median(walls) if walls else None
@@ -447,11 +452,16 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
         wall_ms_per_step_profiled=1e3 * statistics.median(prof_walls) if prof_walls else None,
         gpu_idle_ms_per_step=wall_ms - gpu_ms if wall_ms is not None and gpu_ms else None,
         kernel_launch_calls_per_step=launches / steps,
+        host_syncs_per_step=syncs / steps,  # cuda{Stream,Event,Device}Synchronize calls
         graph_launches_per_step=cpu_names.get("cudaGraphLaunch", 0) / steps,
         aten_ops_per_step=sum(n for k, n in cpu_names.items() if k.startswith("aten::")) / steps,
         top_kernels=[
             dict(name=name, per_step=n / steps, ms_per_step=us / 1e3 / steps)
             for name, (n, us) in top
+        ],
+        top_host_ops=[
+            dict(name=name[:90], per_step=cpu_names[name] / steps, ms_per_step=us / 1e3 / steps)
+            for name, us in sorted(host_self.items(), key=lambda kv: -kv[1])[:15]
         ],
     )
 
@@ -532,15 +542,19 @@ class Bench:
         wbytes = torch.empty(0, dtype=llm.core.runner.dtype).element_size()
         return Ceilings(self.shape, wbytes, 1 if kv == "fp8" else wbytes, self.bandwidth)
 
-    def batch1_engine(self, **overrides: Any) -> dict[str, Any] | None:
-        """Batch-1 decode of an engine of its own (eager, overlap flipped); a config the engine
-        refuses is reported as unavailable."""
+    def batch1_engine(self, profile: bool = False, **overrides: Any) -> dict[str, Any] | None:
+        """Batch-1 decode of an engine of its own (eager, overlap flipped), with `profile` a
+        profile of its batch-1 steps too (under "profile"); a config the engine refuses is
+        reported as unavailable."""
         try:
             llm = self.make_llm(**overrides)
         except ConfigError as e:
             return {"unavailable": str(e)}
         try:
-            return self.batch1(llm, self.ceilings(llm, "bf16"))
+            result = self.batch1(llm, self.ceilings(llm, "bf16"))
+            if profile and result is not None:
+                result["profile"] = self.profile(llm, 1)
+            return result
         finally:
             llm.shutdown()
             del llm
@@ -712,9 +726,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save()
 
     # Eager first: it also compiles the Triton kernels that the graph captures then reuse.
-    result["batch1"]["eager_bf16"] = task(
-        "eager batch 1", lambda: bench.batch1_engine(enable_cuda_graph=False)
+    eager = result["batch1"]["eager_bf16"] = task(
+        "eager batch 1",
+        lambda: bench.batch1_engine(args.profile_eager, enable_cuda_graph=False),
     )
+    if eager and "profile" in eager:
+        result["profile"]["eager_b1"] = eager.pop("profile")
     result["compile"] = {}
     for layers in compile_layers:
         c = result["compile"][layers] = task(
@@ -854,10 +871,15 @@ def report(res: dict[str, Any]) -> str:
             f"GPU idle {_f(p['gpu_idle_ms_per_step'], '.2f')} ms, "
             f"{p['kernel_launch_calls_per_step']:.0f} launches + "
             f"{p['graph_launches_per_step']:.0f} graph launches, "
-            f"{p['aten_ops_per_step']:.0f} aten ops per step"
+            f"{p['aten_ops_per_step']:.0f} aten ops, "
+            f"{p['host_syncs_per_step']:.0f} host syncs per step"
         )
         for k in p["top_kernels"][:5]:
             lines.append(f"    {k['ms_per_step']:7.3f} ms {k['per_step']:6.1f}x  {k['name'][:70]}")
+        for k in p["top_host_ops"][:5]:
+            lines.append(
+                f"    host {k['ms_per_step']:7.3f} ms {k['per_step']:6.1f}x  {k['name'][:65]}"
+            )
     lines += fp8_absorb_report(res)
     if res["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(res['skipped'])}")
@@ -942,6 +964,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--b1-tokens", type=int, default=None, help="batch-1 run length (64)")
     ap.add_argument("--profile-ns", default="1,16", help="batch sizes to profile (bf16 KV)")
     ap.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled")
+    ap.add_argument(
+        "--profile-eager", action="store_true", help="also profile the eager engine's batch 1"
+    )
     ap.add_argument("--max-running", type=int, default=None, help="default max(64, max N)")
     ap.add_argument("--max-context-len", type=int, default=None, help="default: the model's")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up run before each N")
