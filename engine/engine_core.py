@@ -172,9 +172,9 @@ class EngineCore:
     def _launch(self, out: ScheduleOutput) -> _Launched:
         sampled = [out.reqs[i] for i in out.sample_rows]
         requests = [self._sample_request(req) for req in sampled]
+        now = time.monotonic()  # before the launch: on a CPU it runs the forward
         step = self.runner.launch(out.batch, out.sample_rows, requests)
         self.scheduler.on_batch_launched(out)
-        now = time.monotonic()
         for req in out.reqs:
             metrics = self.states[req.rid].metrics
             if metrics.first_scheduled is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class RequestMetrics:
     """When the engine saw a request pass each stage, in `time.monotonic()` seconds (one clock
     for every process of the machine), as vLLM's RequestMetrics: `arrival` (the engine took
-    it), `first_scheduled` (its first prefill batch was launched), `first_token` (the engine
+    it), `first_scheduled` (its first prefill batch was scheduled), `first_token` (the engine
     had its first output token), `finished`. A stage it never reached is None."""
 
     arrival: float

@@ -23,7 +23,9 @@
 # server_inproc.json; add server_b for a run with the settings in SERVER_B_ENV, e.g.
 # "LLM_ENGINE_PROCESS=false", written to server_b.json; add engine_process for the requests
 # through EngineProcess without Triton, engine_process.json), CONCURRENCY, PROMPT_TOKENS,
-# MAX_TOKENS, REQUESTS_PER_WORKER, V2LITE_LAYERS (cut the checkpoint's depth), READY_TIMEOUT, any LLM_<FIELD>.
+# MAX_TOKENS, REQUESTS_PER_WORKER, MIN_REQUESTS (per level: more per worker at a low
+# concurrency, e.g. 32 for a steadier TTFT at 1), V2LITE_LAYERS (cut the checkpoint's depth),
+# READY_TIMEOUT, any LLM_<FIELD>.
 set -uo pipefail
 
 MODE=gpu
@@ -134,7 +136,7 @@ echo "LLM_MODEL=$LLM_MODEL"
 env | grep '^LLM_' | sort
 
 BENCH=(--concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --max-tokens "$MAX_TOKENS"
-  --requests-per-worker "$REQUESTS_PER_WORKER")
+  --requests-per-worker "$REQUESTS_PER_WORKER" --min-requests "${MIN_REQUESTS:-0}")
 SERVER=""
 stop_server() {
   [ -n "$SERVER" ] || return 0

@@ -5,7 +5,8 @@
     .venv/bin/python perf/serve_bench.py --target engine --concurrency 1,16,64 ... --out direct.json
 
 Per concurrency value C, C workers each send `--requests-per-worker` requests one after another
-(so C requests are in flight at a time), after one warm-up request. Every request has the same
+(so C requests are in flight at a time; more where `--min-requests` asks for more at a low C),
+after one warm-up request. Every request has the same
 prompt length (random single-token words, checked with the model's tokenizer) and asks for
 exactly `max_tokens` (min_tokens = max_tokens, ignore_eos, greedy), as in perf/sweep.py.
 
@@ -344,7 +345,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         warm = [make_prompt(tokenizer, words, args.prompt_tokens, -1 - i) for i in range(top)]
         run(warm, top, min(4, args.max_tokens))
         for c in levels:
-            n = c * args.requests_per_worker
+            n = c * max(args.requests_per_worker, -(-args.min_requests // c))
             # distinct prompts: no prefix-cache hits between requests of a level or across them
             prompts = [
                 make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
@@ -365,6 +366,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "requests_per_worker": args.requests_per_worker,
+        "min_requests": args.min_requests,
         "env": {k: v for k, v in os.environ.items() if k.startswith("LLM_")},
         "rows": rows,
     }
@@ -418,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--requests-per-worker", type=int, default=2)
+    ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="at least this many requests per level (more per worker at a low concurrency)",
+    )
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
