@@ -178,6 +178,9 @@ class EngineConfig:
     # must be token ids, outputs carry no text, stop strings are refused.
     skip_tokenizer_init: bool = False
     debug_checks: bool = False  # run the KV-slot integrity check whenever the engine is idle
+    # A log line (INFO) per prefill batch and per this many decode steps (SGLang's
+    # decode_log_interval): engine/batch_log.py. 0: none.
+    decode_log_interval: int = 40
     # The overlap schedule: step n+1 is queued on the device before step n's tokens are
     # processed, so scheduling, detokenizing and streaming run while the device computes. None:
     # on with CUDA (any tp_size). True runs it on a CPU as well (nothing is hidden there).
@@ -223,6 +226,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.decode_log_interval < 0:
+            raise ConfigError(f"decode_log_interval must be >= 0, got {self.decode_log_interval}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -23,6 +23,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.batch_log import BatchLog
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
 from engine.executor.launched_step import LaunchedStep, SampleRequest
@@ -85,6 +86,7 @@ class EngineCore:
             self.runner.max_context_len,
             self.runner.max_running_requests,
         )
+        self.batch_log = BatchLog(self.scheduler, config.decode_log_interval)
         self.states: dict[str, _ReqState] = {}
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.overlap = self._use_overlap()
@@ -175,6 +177,7 @@ class EngineCore:
         now = time.monotonic()  # before the launch: on a CPU it runs the forward
         step = self.runner.launch(out.batch, out.sample_rows, requests)
         self.scheduler.on_batch_launched(out)
+        self.batch_log.on_launch(out)
         for req in out.reqs:
             metrics = self.states[req.rid].metrics
             if metrics.first_scheduled is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import queue
 import random
@@ -439,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         "--from-json", type=Path, default=None, help="plot an earlier --out file, run nothing"
     )
     args = ap.parse_args(argv)
+    if args.target != "server":  # the engine's batch log (decode_log_interval) on stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res = json.loads(args.from_json.read_text()) if args.from_json else bench(args)
     text = json.dumps(res, indent=2)
     print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import time
 
@@ -375,3 +376,26 @@ def test_final_delta_carries_the_request_stages(tiny_llama: str) -> None:
     assert gone is not None and gone.first_scheduled is None and gone.first_token is None
     assert gone.queue_time is None and gone.prefill_time is None
     assert all(f.metrics is not None for f in finals.values())
+
+
+def test_batch_log_lines(tiny_llama: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A line per prefill batch (requests, tokens) and one per decode_log_interval decode
+    steps (running requests, rate); none with an interval of 0."""
+    prompts = [[300 + j for j in range(9)], [400 + j for j in range(5)]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="engine.batch_log"):
+        LLM(tiny_llama, dtype="float32", max_total_tokens=256, decode_log_interval=2).generate(
+            prompts, params
+        )
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.batch_log"]
+    prefill = [line for line in lines if line.startswith("prefill batch:")]
+    decode = [line for line in lines if line.startswith("decode:")]
+    assert prefill and prefill[0].startswith("prefill batch: 2 requests (2 new), 14 tokens")
+    # 5 decode steps after the prefill (6 tokens each, the first from the prefill): lines at 2, 4
+    assert len(decode) == 2 and all(line.startswith("decode: 2 running, ") for line in decode)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.batch_log"):
+        LLM(tiny_llama, dtype="float32", max_total_tokens=256, decode_log_interval=0).generate(
+            prompts, params
+        )
+    assert not [r for r in caplog.records if r.name == "engine.batch_log"]
