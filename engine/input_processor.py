@@ -4,7 +4,8 @@ tokenizes in the caller's process and sends only token ids to the engine's proce
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import max_token_chars
@@ -17,12 +18,18 @@ class InputProcessor:
     vocab_size: int
     max_context_len: int  # already capped at the KV pool's size
     max_tokens_cap: int | None = None
+    encode: Callable[[str], list[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         # A text longer than this cannot fit the context, whatever it tokenizes to.
         self.max_prompt_chars = 0  # no tokenizer: text prompts are refused by tokenize()
+        self.encode = self._encode_slow
         if self.tokenizer is not None:
             self.max_prompt_chars = self.max_context_len * max_token_chars(self.tokenizer)
+            self.encode = fast_encoder(self.tokenizer) or self._encode_slow
+
+    def _encode_slow(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids; raise before tokenizing where it can.
@@ -55,7 +62,7 @@ class InputProcessor:
                     "the engine runs without a tokenizer (skip_tokenizer_init): send the prompt "
                     "as token ids"
                 )
-            ids = list(self.tokenizer(prompt).input_ids)
+            ids = self.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -79,3 +86,28 @@ class InputProcessor:
                 "stop strings need a tokenizer and the engine runs without one "
                 "(skip_tokenizer_init): use stop_token_ids"
             )
+
+
+# Texts on which the fast encoder must agree with the tokenizer's own `__call__` before it is used
+# (special tokens, a leading space, digits, non-ASCII, an empty string).
+_PROBES = ("Hello world", " lead", "<|im_start|>user\n2 + 2 = 4?<|im_end|>", "naïve 東京 🙂", "")
+
+
+def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
+    """`tokenizer(text).input_ids` through the Rust tokenizer's `encode_batch_fast` (no offsets,
+    no Python BatchEncoding; 1.72 -> 1.11 ms for a 512-token prompt on the CPU machine), or None
+    where the tokenizer has no Rust backend or the two disagree on a probe."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    batch_fast = getattr(backend, "encode_batch_fast", None)
+    if batch_fast is None:
+        return None
+
+    def encode(text: str) -> list[int]:
+        return list(batch_fast([text], add_special_tokens=True)[0].ids)
+
+    try:
+        if any(encode(t) != list(tokenizer(t).input_ids) for t in _PROBES):
+            return None
+    except Exception:  # a backend that takes other arguments: keep the tokenizer's own path
+        return None
+    return encode

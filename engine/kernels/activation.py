@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
+from engine.kernels.utils import cdiv, next_power_of_2
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -39,9 +42,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if rows == 0:
         return out
-    block = min(1024, triton.next_power_of_2(inter))
-    grid = (rows, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](
-        x, out, x.stride(0), inter, inter, BLOCK=block, num_warps=4 if block >= 512 else 1
+    block = min(1024, next_power_of_2(inter))
+    grid = (rows, cdiv(inter, block))
+    launch(
+        _silu_and_mul_kernel,
+        grid,
+        x,
+        out,
+        x.stride(0),
+        inter,
+        inter,
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
     )
     return out

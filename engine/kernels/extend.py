@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter, online_softmax_step
+from engine.kernels.launch import launch
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    cdiv,
+    dot,
+    is_interpreter,
+    next_power_of_2,
+    online_softmax_step,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -138,14 +146,15 @@ def _launch(
         return out
     if max_extend_len is None:
         max_extend_len = int((seq_lens - prefix_lens).max().item())  # NOTE: host sync
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     if is_interpreter():
         block_m, block_n, warps, stages = 16, 16, 4, 1
     else:
         block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
         warps, stages = 4, 2
-    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
-    _extend_kernel[grid](
+    grid = (batch, num_q_heads, cdiv(max_extend_len, block_m))
+    launch(
+        _extend_kernel, grid,
         q, k_ext, v_ext, k_buf, v_buf, out, req_to_token, req_pool_indices,
         seq_lens, prefix_lens, q_start_loc,
         kv_start_loc if kv_start_loc is not None else q_start_loc, sm_scale * _LOG2E,
@@ -154,7 +163,7 @@ def _launch(
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), num_q_heads // num_kv_heads, head_dim, v_head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_DV=triton.next_power_of_2(v_head_dim), RAGGED=kv_start_loc is not None,
+        BLOCK_DV=next_power_of_2(v_head_dim), RAGGED=kv_start_loc is not None,
         UPCAST=INTERPRET_UPCAST, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

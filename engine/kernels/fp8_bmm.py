@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE
-from engine.kernels.utils import INTERPRET_UPCAST, dot
+from engine.kernels.launch import launch
+from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, next_power_of_2
 
 # Programs wanted per launch: about one per SM of a large GPU (132 on an H200). N tiles shrink
 # until there are this many (or BLOCK_N reaches 16), so that a batch-1 GEMM reads its weights
@@ -89,11 +90,12 @@ def bmm_fp8(
     assert out.shape == (heads, rows, n_dim), out.shape
     if rows == 0 or heads == 0:
         return out
-    bb = block_b or min(64, max(16, triton.next_power_of_2(rows)))
-    bk = block_k or min(128, max(16, triton.next_power_of_2(k_dim)))
+    bb = block_b or min(64, max(16, next_power_of_2(rows)))
+    bk = block_k or min(128, max(16, next_power_of_2(k_dim)))
     bn = block_n or _pick_block_n(heads, rows, n_dim, bb)
-    grid = (heads, triton.cdiv(n_dim, bn), triton.cdiv(rows, bb))
-    _bmm_fp8_kernel[grid](
+    grid = (heads, cdiv(n_dim, bn), cdiv(rows, bb))
+    launch(
+        _bmm_fp8_kernel, grid,
         x, w, scale, out, rows, k_dim, n_dim,
         x.stride(0), x.stride(1), x.stride(2),
         w.stride(0), w.stride(1), w.stride(2),
@@ -104,8 +106,8 @@ def bmm_fp8(
 
 
 def _pick_block_n(heads: int, rows: int, n_dim: int, block_b: int) -> int:
-    block_n = min(64, max(16, triton.next_power_of_2(n_dim)))
-    b_tiles = triton.cdiv(rows, block_b)
-    while block_n > 16 and heads * triton.cdiv(n_dim, block_n) * b_tiles < _TARGET_PROGRAMS:
+    block_n = min(64, max(16, next_power_of_2(n_dim)))
+    b_tiles = cdiv(rows, block_b)
+    while block_n > 16 and heads * cdiv(n_dim, block_n) * b_tiles < _TARGET_PROGRAMS:
         block_n //= 2
     return block_n

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot, is_interpreter
+from engine.kernels.launch import launch
+from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, is_interpreter, next_power_of_2
 
 
 class MoEAlignment(NamedTuple):
@@ -118,16 +119,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     max_padded = num_pairs + num_experts * (block_m - 1)
-    max_blocks = triton.cdiv(max_padded, block_m)
+    max_blocks = cdiv(max_padded, block_m)
     device = flat.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_e = max(16, next_power_of_2(num_experts))
     # The block -> expert step holds a [CHUNK_B, BLOCK_E] compare: keep it near 8K elements.
     chunk_b = max(32, 8192 // block_e)
-    _moe_align_kernel[(1,)](
+    launch(
+        _moe_align_kernel, (1,),
         flat, sorted_ids, expert_ids, num_padded, cursor,
         num_pairs, num_experts, max_padded, max_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=chunk_b, num_warps=8,
@@ -231,8 +233,9 @@ def _moe_gemm(
                   shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
     else:  # down [N, S]: slot j is columns j * K.., rows S apart
         s_args = (shared, num_routed, k, shared.stride(0), 0)
-    grid = (align.expert_ids.shape[0], triton.cdiv(n, cfg.block_n))
-    _moe_gemm_kernel[grid](
+    grid = (align.expert_ids.shape[0], cdiv(n, cfg.block_n))
+    launch(
+        _moe_gemm_kernel, grid,
         a, b, s_args[0], c, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
         n, k, c.shape[0], top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         *s_args[1:],
@@ -269,8 +272,9 @@ def _moe_sum(down: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Te
         return out
     if shared_output is not None:
         assert shared_output.stride(1) == 1 and shared_output.shape == out.shape
-    block_h = min(1024, triton.next_power_of_2(hidden_size))
-    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+    block_h = min(1024, next_power_of_2(hidden_size))
+    launch(
+        _moe_sum_kernel, (num_tokens, cdiv(hidden_size, block_h)),
         down, shared_output if shared_output is not None else out, out, hidden_size,
         shared_output.stride(0) if shared_output is not None else 0,
         TOP_K=top_k, HAS_SHARED=shared_output is not None, BLOCK_H=block_h,

@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
     choose_num_kv_splits,
     dot,
     is_interpreter,
     merge_splits,
+    next_power_of_2,
     online_softmax_step,
     split_bounds,
     store_split,
@@ -115,18 +117,19 @@ def gqa_decode(
     if is_fp8:
         assert k_scale is not None and v_scale is not None
     block_n = 16 if is_interpreter() else 64
-    block_h = max(16, triton.next_power_of_2(group))
+    block_h = max(16, next_power_of_2(group))
     if num_kv_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())  # NOTE: a host sync; pass it when capturing
         num_kv_splits = choose_num_kv_splits(
             batch, num_kv_heads, max_seq_len, block_h=1, block_n=block_n, min_tokens_per_split=128
         )
-    dv_pow2 = triton.next_power_of_2(v_head_dim)
+    dv_pow2 = next_power_of_2(v_head_dim)
     mid_o = q.new_empty((batch, num_q_heads, num_kv_splits, dv_pow2), dtype=torch.float32)
     mid_lse = q.new_empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32)
     dummy = mid_lse
-    _gqa_decode_stage1[(num_kv_heads, num_kv_splits, batch)](
+    launch(
+        _gqa_decode_stage1, (num_kv_heads, num_kv_splits, batch),
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale * _LOG2E, k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy,
@@ -134,7 +137,7 @@ def gqa_decode(
         v_buffer.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1),
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         group, head_dim, v_head_dim, num_kv_splits,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_DV=dv_pow2, IS_FP8=is_fp8, UPCAST=INTERPRET_UPCAST,
         num_warps=4, num_stages=1 if is_interpreter() else 2,
     )  # fmt: skip

@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from engine.kernels.launch import launch
+from engine.kernels.utils import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -51,9 +53,10 @@ def _store_rows(
     is_fp8 = dst.dtype == FP8_DTYPE
     if is_fp8:
         assert scale is not None, "an fp8 pool needs its scale"
-    block_d = min(1024, triton.next_power_of_2(dim))
-    grid = (num_tokens, triton.cdiv(dim, block_d))
-    _store_rows_kernel[grid](
+    block_d = min(1024, next_power_of_2(dim))
+    grid = (num_tokens, cdiv(dim, block_d))
+    launch(
+        _store_rows_kernel, grid,
         src, dst, loc, scale if scale is not None else loc, src.stride(0), dst.stride(0), dim,
         BLOCK_D=block_d, IS_FP8=is_fp8, FP8_MAX=FP8_MAX, num_warps=4,
     )  # fmt: skip

@@ -21,13 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
+    cdiv,
     choose_num_kv_splits,
     dot,
     has_fp8_cvt,
     is_interpreter,
     merge_splits,
+    next_power_of_2,
     online_softmax_step,
     split_bounds,
     store_split,
@@ -242,7 +245,7 @@ def _launch(
             batch, num_heads, max_seq_len, cfg.block_h, block_n,
             waves=cfg.waves, min_tokens_per_split=cfg.min_split_tokens,
         )  # fmt: skip
-    block_h = min(cfg.block_h, max(16, triton.next_power_of_2(num_heads)))
+    block_h = min(cfg.block_h, max(16, next_power_of_2(num_heads)))
 
     out = torch.empty((batch, num_heads, c), dtype=q.dtype, device=q.device)
     mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
@@ -253,8 +256,10 @@ def _launch(
         mid_o = torch.empty(
             (batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device
         )
-    grid = (triton.cdiv(num_heads, block_h), num_kv_splits, batch)
-    _mla_decode_stage1[grid](
+    grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
+    launch(
+        _mla_decode_stage1,
+        grid,
         q,
         kv,
         table,

@@ -16,8 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
+from engine.kernels.utils import next_power_of_2
 
 
 @triton.jit
@@ -83,13 +85,14 @@ def mla_preamble(
     if num_tokens == 0:
         return latent, q_pe_out
     half = rope // 2
-    block_c = triton.next_power_of_2(kv_lora_rank)
-    _mla_preamble_kernel[(num_tokens,)](
+    block_c = next_power_of_2(kv_lora_rank)
+    launch(
+        _mla_preamble_kernel, (num_tokens,),
         kv_a, q_pe, q_pe_out, latent, norm_weight, positions, inv_freq,
         kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), q_pe_out.stride(0), q_pe_out.stride(1),
         latent.stride(0), num_heads, kv_lora_rank, half, eps, float(attention_scaling),
-        INTERLEAVED=interleaved, BLOCK_C=block_c, BLOCK_J=triton.next_power_of_2(half),
-        BLOCK_H=max(2, min(16, triton.next_power_of_2(num_heads))),
+        INTERLEAVED=interleaved, BLOCK_C=block_c, BLOCK_J=next_power_of_2(half),
+        BLOCK_H=max(2, min(16, next_power_of_2(num_heads))),
         num_warps=4 if block_c >= 512 else 2,
     )  # fmt: skip
     return latent, q_pe_out

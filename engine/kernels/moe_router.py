@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.utils import INTERPRET_UPCAST, dot
+from engine.kernels.launch import launch
+from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, next_power_of_2
 
 # Gate weights up to this size are streamed by the router program itself when there are enough
 # tokens to give many programs; otherwise the gate GEMM runs first over (token, expert, H-split)
@@ -189,7 +190,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def gate_logit_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
     """Splits of H for the gate GEMM: enough programs to stream the gate weight from many SMs
     when there are few tokens (a decode step), one split when the token tiles fill the GPU."""
-    tiles = triton.cdiv(num_tokens, GATE_BLOCK_T) * triton.cdiv(num_experts, GATE_BLOCK_E)
+    tiles = cdiv(num_tokens, GATE_BLOCK_T) * cdiv(num_experts, GATE_BLOCK_E)
     return max(1, min(16, hidden // 256, 128 // tiles))
 
 
@@ -202,16 +203,17 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return logits
-    h_split = triton.cdiv(triton.cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
-    splits_used = triton.cdiv(hidden, h_split)
+    h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
+    splits_used = cdiv(hidden, h_split)
     if splits_used < splits:  # rounding left the last splits empty: they hold zeros
         logits[splits_used:].zero_()
     grid = (
-        triton.cdiv(num_tokens, GATE_BLOCK_T),
-        triton.cdiv(num_experts, GATE_BLOCK_E),
+        cdiv(num_tokens, GATE_BLOCK_T),
+        cdiv(num_experts, GATE_BLOCK_E),
         splits_used,
     )
-    _gate_logits_kernel[grid](
+    launch(
+        _gate_logits_kernel, grid,
         x, weight, logits, num_tokens, num_experts, hidden, h_split, x.stride(0),
         weight.stride(0), logits.stride(1), logits.stride(0), BLOCK_T=GATE_BLOCK_T,
         BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H, UPCAST=INTERPRET_UPCAST, num_warps=4,
@@ -257,9 +259,10 @@ def moe_router(
     else:
         splits = gate_logit_splits(num_tokens, num_experts, hidden)
         src = gate_logits(x, weight, splits)
-    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_e = max(16, next_power_of_2(num_experts))
     block_t = 16
-    _moe_router_kernel[(triton.cdiv(num_tokens, block_t),)](
+    launch(
+        _moe_router_kernel, (cdiv(num_tokens, block_t),),
         src, weight, correction_bias if correction_bias is not None else topk_weights,
         topk_weights, topk_ids,
         num_tokens, num_experts, hidden, src.stride(-2), weight.stride(0),
@@ -268,8 +271,8 @@ def moe_router(
         TOPK_GROUP=topk_group,
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, triton.next_power_of_2(num_groups)),
-        BLOCK_K=max(2, triton.next_power_of_2(width)), UPCAST=INTERPRET_UPCAST,
+        BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, next_power_of_2(num_groups)),
+        BLOCK_K=max(2, next_power_of_2(width)), UPCAST=INTERPRET_UPCAST,
         num_warps=4 if block_e <= 128 else 8,
     )  # fmt: skip
     return RouterOutput(topk_weights, topk_ids)

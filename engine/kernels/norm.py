@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
+from engine.kernels.utils import next_power_of_2
+
 
 @triton.jit
 def rms_norm_row(x, w_ptr, offs, mask, N, eps, dtype: tl.constexpr):
@@ -70,9 +73,10 @@ def _launch(
         res_out2 = res_out.view(-1, n)
     if rows == 0:
         return out, res_out
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     num_warps = min(max(block_n // 256, 1), 8)
-    _rms_norm_kernel[(rows,)](
+    launch(
+        _rms_norm_kernel, (rows,),
         x2, res2 if res2 is not None else x2, weight, out2,
         res_out2 if res_out2 is not None else out2,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),

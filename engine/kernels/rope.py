@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
+from engine.kernels.utils import next_power_of_2
+
 
 @triton.jit
 def rope_cos_sin(pos_ptr, t, inv_freq_ptr, offs_j, mask_j, scaling, dtype: tl.constexpr):
@@ -89,13 +92,14 @@ def rotary_embedding(
     if num_tokens == 0:
         return q_out, k_out
     half = dim // 2
-    _rope_kernel[(num_tokens,)](
+    launch(
+        _rope_kernel, (num_tokens,),
         q, k, q_out, k_out, positions, inv_freq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         num_q_heads, k.shape[1], half, float(attention_scaling),
-        INTERLEAVED=interleaved, BLOCK_J=triton.next_power_of_2(half),
-        BLOCK_H=max(2, min(16, triton.next_power_of_2(max(num_q_heads, k.shape[1])))),
+        INTERLEAVED=interleaved, BLOCK_J=next_power_of_2(half),
+        BLOCK_H=max(2, min(16, next_power_of_2(max(num_q_heads, k.shape[1])))),
         num_warps=4,
     )  # fmt: skip
     return q_out, k_out

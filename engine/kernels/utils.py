@@ -10,6 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.launch import launch
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (triton.cdiv is a constexpr function there: a few us a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2, in plain Python."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
 
 def is_interpreter() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -173,9 +185,10 @@ def choose_num_kv_splits(
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
     batch, num_heads, num_splits, dv = mid_o.shape
-    _merge_splits_kernel[(num_heads, batch)](
+    launch(
+        _merge_splits_kernel, (num_heads, batch),
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        C=dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        C=dv, BLOCK_S=max(2, next_power_of_2(num_splits)),
         num_warps=4 if dv >= 256 else 1,
     )  # fmt: skip

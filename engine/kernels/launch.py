@@ -1,0 +1,104 @@
+"""Launching the engine's Triton kernels with less host work than `kernel[grid](...)`.
+
+An eager forward launches about 11 Triton kernels per decoder layer; on the H200 a lone 512-token
+prefill of DeepSeek-V2-Lite took 34.5 ms of host time for 12.1 ms of GPU work, with Triton's
+launch path (`JITFunction.run`) the largest share (perf/RESULTS.md, "Host time of a prefill").
+Every launch there re-derives the specialization of each argument (native code), then builds a
+string key (`str(options)`), checks the kernel's globals, canonicalizes the grid through a few
+driver proxies and builds launch metadata for hooks nobody set.
+
+`launch(kernel, grid, *args, **kwargs)` keeps the first step (Triton's own binder, so the
+specialization is exactly Triton's: dtypes, 16-byte alignment, ints equal to 1 or divisible by
+16, constexpr values) and caches the compiled kernel under that specialization, so a repeated
+launch goes straight to the compiled launcher. A miss (a new specialization) takes Triton's
+normal path, which compiles and launches, and records the result. Anything unusual (the CPU
+interpreter, a launch hook such as a profiler's, a Triton whose internals differ from those
+this was written against) takes the normal path every time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # as engine.kernels.utils (no cycle)
+
+
+_ENABLED = os.environ.get("ENGINE_FAST_LAUNCH", "1") != "0" and not is_interpreter()
+
+# (kernel, device) -> {specialization key: compiled kernel}
+_compiled: dict[tuple[int, int], dict[Any, Any]] = {}
+
+
+def fast_launch_enabled() -> bool:
+    return _ENABLED
+
+
+def set_fast_launch(enabled: bool) -> None:
+    """Turn the cached path on or off (benchmarks compare both; tests check it off)."""
+    global _ENABLED
+    _ENABLED = enabled and not is_interpreter()
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)`, through the compiled-kernel cache when possible."""
+    if not _ENABLED or callable(grid):
+        kernel[grid](*args, **kwargs)
+        return
+    from triton import knobs
+
+    runtime = knobs.runtime
+    if _has_hooks(runtime.launch_enter_hook) or _has_hooks(runtime.launch_exit_hook):
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    caches = kernel.device_caches[device]  # (kernel cache, key cache, target, backend, binder)
+    binder = caches[-1]
+    bound_args, specialization, options = binder(*args, **kwargs)
+    key = (tuple(specialization), tuple(options.items()))
+    table = _compiled.setdefault((id(kernel), device), {})
+    compiled = table.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)  # compiles (once) and launches
+        if _launchable(compiled):
+            table[key] = compiled
+        return
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    compiled.run(
+        grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
+        None, None, None, *bound_args.values(),
+    )  # fmt: skip
+
+
+def _has_hooks(hook: Any) -> bool:
+    """Whether a launch hook is set: None, or Triton 3.6's empty `HookChain`, is none (Triton
+    itself then still builds launch metadata and calls the empty chain twice a launch)."""
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
+def _launchable(compiled: Any) -> bool:
+    """A compiled kernel with the launcher and handles the cached path calls (an async
+    compile's future, or another Triton's kernel object, is not cached)."""
+    return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+
+
+def check_internals() -> str | None:
+    """Why the cached path cannot work with this Triton, or None (checked on first CUDA use)."""
+    try:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+    except ImportError as e:
+        return f"triton internals not found: {e}"
+    if not hasattr(JITFunction, "create_binder") or not hasattr(knobs, "runtime"):
+        return "JITFunction has no create_binder"
+    return None
+
+
+if _ENABLED and check_internals() is not None:
+    _ENABLED = False

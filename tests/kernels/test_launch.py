@@ -1,0 +1,124 @@
+"""engine.kernels.launch: the compiled-kernel cache in front of Triton's launch path.
+
+On CPU the kernels run through the interpreter, where `launch` always takes Triton's own path;
+the cache logic is checked here with a stand-in kernel (Triton's binder and compiled-kernel
+interface, recorded calls). On a GPU, the real kernels launched both ways must agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.kernels import launch as launch_mod
+from engine.kernels.launch import launch, set_fast_launch
+
+
+class FakeCompiled:
+    function = 7
+    packed_metadata = ("meta",)
+
+    def __init__(self, calls: list[tuple[str, Any]]) -> None:
+        self.calls = calls
+
+    def run(self, *args: Any) -> None:
+        self.calls.append(("cached", args))
+
+
+class FakeKernel:
+    """Triton's JITFunction as `launch` uses it: `device_caches[device][-1]` is the binder,
+    `kernel[grid](...)` the normal path (which returns the compiled kernel)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.compiled = FakeCompiled(self.calls)
+        self.device_caches = {0: ({}, {}, None, None, self._bind)}
+
+    @staticmethod
+    def _bind(x: Any, n: int, BLOCK: int, **options: Any) -> tuple[Any, Any, Any]:
+        spec = [("*fp32", x.data_ptr() % 16 == 0), ("i32", n == 1), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> FakeCompiled:
+            self.calls.append(("triton", (grid, args, kwargs)))
+            return self.compiled
+
+        return run
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(launch_mod, "_compiled", {})
+    monkeypatch.setattr(launch_mod, "_ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    return launch_mod
+
+
+def test_second_launch_goes_to_the_compiled_kernel(fast: Any) -> None:
+    k, x = FakeKernel(), torch.zeros(8)
+    launch(k, (4,), x, 5, BLOCK=64, num_warps=4)
+    launch(k, (3, 2), x, 5, BLOCK=64, num_warps=4)
+    assert [c[0] for c in k.calls] == ["triton", "cached"]
+    # grid padded to 3 dims, the stream, the handles, no hooks, then every bound argument
+    assert k.calls[1][1] == (3, 2, 1, 1234, 7, ("meta",), None, None, None, x, 5, 64)
+
+
+def test_a_new_specialization_or_option_takes_triton_path(fast: Any) -> None:
+    k, x = FakeKernel(), torch.zeros(8)
+    launch(k, (1,), x, 5, BLOCK=64, num_warps=4)
+    launch(k, (1,), x, 1, BLOCK=64, num_warps=4)  # n == 1 specializes differently
+    launch(k, (1,), x, 5, BLOCK=128, num_warps=4)  # another constexpr
+    launch(k, (1,), x, 5, BLOCK=64, num_warps=8)  # another launch option
+    launch(k, (1,), x, 9, BLOCK=64, num_warps=4)  # same specialization as the first
+    assert [c[0] for c in k.calls] == ["triton"] * 4 + ["cached"]
+
+
+def test_hooks_callable_grids_and_off_take_triton_path(fast: Any, monkeypatch: Any) -> None:
+    from triton import knobs
+
+    k, x = FakeKernel(), torch.zeros(8)
+    launch(k, (1,), x, 5, BLOCK=64)
+    launch(k, lambda meta: (1,), x, 5, BLOCK=64)  # type: ignore[arg-type]
+    chain = knobs.HookChain()
+    chain.add(lambda *a: None)  # a profiler's hook
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
+    launch(k, (1,), x, 5, BLOCK=64)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
+    set_fast_launch(False)
+    launch(k, (1,), x, 5, BLOCK=64)
+    assert [c[0] for c in k.calls] == ["triton"] * 4
+
+
+def test_interpreter_never_caches() -> None:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert not launch_mod.fast_launch_enabled()
+    else:
+        pytest.skip("runs under the interpreter")
+
+
+@pytest.mark.cuda
+def test_cached_launches_match_triton_path() -> None:
+    """The real kernels, launched through the cache and through Triton's path, give the same
+    output, across shapes that change the specialization (rows of 1, unaligned views)."""
+    from engine.kernels.norm import fused_add_rms_norm
+
+    dev = torch.device("cuda")
+    w = torch.randn(2048, device=dev, dtype=torch.bfloat16)
+    for rows in (1, 7, 512, 1, 7):
+        base = torch.randn(rows, 2050, device=dev, dtype=torch.bfloat16)
+        x = base[:, 1:2049]  # a view 2 bytes off alignment
+        r = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
+        set_fast_launch(True)
+        got = fused_add_rms_norm(x, r, w, 1e-6)
+        got2 = fused_add_rms_norm(x, r, w, 1e-6)  # the cached path for certain
+        set_fast_launch(False)
+        want = fused_add_rms_norm(x, r, w, 1e-6)
+        set_fast_launch(True)
+        for a, b, c in zip(got, got2, want):
+            assert torch.equal(a, c) and torch.equal(b, c)
