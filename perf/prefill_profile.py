@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     layers = a.layers or (2 if a.tiny else None)
-    out = a.out or Path(f"/tmp/bench-v2lite{'-tiny' if a.tiny else ''}-L{layers or 27}")
+    # the full shape shares bench_engine's and gpu_serve's checkpoint directory
+    name = "bench-v2lite" + ("-tiny" if a.tiny else "") + (f"-L{layers}" if layers else "")
+    out = a.out or Path("/tmp") / name
     info = write_checkpoint(out, layers, a.tiny)
     res: dict[str, Any] = dict(checkpoint=info, device=str(device), runs={})
     llm = LLM(str(out), device=device.type, max_running_requests=16)

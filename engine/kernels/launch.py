@@ -30,8 +30,10 @@ def is_interpreter() -> bool:
 
 _ENABLED = os.environ.get("ENGINE_FAST_LAUNCH", "1") != "0" and not is_interpreter()
 
-# (kernel, device) -> {specialization key: compiled kernel}
-_compiled: dict[tuple[int, int], dict[Any, Any]] = {}
+# (kernel id, device, *specialization, *launch options) -> (launcher, arguments before the grid's
+# and stream's successors: see _entry)
+_compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+_runtime: Any = None  # triton.knobs.runtime, imported on first use
 
 
 def fast_launch_enabled() -> bool:
@@ -46,34 +48,50 @@ def set_fast_launch(enabled: bool) -> None:
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """`kernel[grid](*args, **kwargs)`, through the compiled-kernel cache when possible."""
+    global _runtime
     if not _ENABLED or callable(grid):
         kernel[grid](*args, **kwargs)
         return
-    from triton import knobs
+    if _runtime is None:
+        from triton import knobs
 
-    runtime = knobs.runtime
-    if _has_hooks(runtime.launch_enter_hook) or _has_hooks(runtime.launch_exit_hook):
+        _runtime = knobs.runtime
+    if _has_hooks(_runtime.launch_enter_hook) or _has_hooks(_runtime.launch_exit_hook):
         kernel[grid](*args, **kwargs)
         return
-    device = torch.cuda.current_device()
-    caches = kernel.device_caches[device]  # (kernel cache, key cache, target, backend, binder)
-    binder = caches[-1]
-    bound_args, specialization, options = binder(*args, **kwargs)
-    key = (tuple(specialization), tuple(options.items()))
-    table = _compiled.setdefault((id(kernel), device), {})
-    compiled = table.get(key)
-    if compiled is None:
+    device = torch._C._cuda_getDevice()
+    # device_caches[device]: (kernel cache, key cache, target, backend, binder)
+    bound_args, specialization, options = kernel.device_caches[device][-1](*args, **kwargs)
+    key = (id(kernel), device, *specialization, *options.items())
+    entry = _compiled.get(key)
+    if entry is None:
         compiled = kernel[grid](*args, **kwargs)  # compiles (once) and launches
         if _launchable(compiled):
-            table[key] = compiled
+            _compiled[key] = _entry(compiled)
         return
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(
-        grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-        None, None, None, *bound_args.values(),
+    run, head = entry
+    n = len(grid)
+    run(
+        grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device), *head, *bound_args.values(),
     )  # fmt: skip
+
+
+def _entry(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
+    """What a cached launch calls after (grid x, y, z, stream). Triton 3.6's CUDA launcher
+    (`CudaLauncher.__call__`) only allocates scratch memory (none for these kernels) and calls
+    its compiled `launch` with the cooperative-grid and PDL flags: call that directly then.
+    Otherwise the launcher object itself: (function, packed metadata, no launch metadata, no
+    enter and exit hooks)."""
+    runner = compiled.run
+    tail = (compiled.packed_metadata, None, None, None)
+    flags = ("launch", "launch_cooperative_grid", "launch_pdl")
+    if all(hasattr(runner, a) for a in flags) and not (
+        getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1)
+    ):
+        head = (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None)
+        return runner.launch, head + tail
+    return runner, (compiled.function, *tail)
 
 
 def _has_hooks(hook: Any) -> bool:

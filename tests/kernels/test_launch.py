@@ -20,20 +20,35 @@ class FakeCompiled:
     function = 7
     packed_metadata = ("meta",)
 
-    def __init__(self, calls: list[tuple[str, Any]]) -> None:
-        self.calls = calls
+    def __init__(self, calls: list[tuple[str, Any]], scratch: int = 0) -> None:
+        self.run = Launcher(calls, scratch)
 
-    def run(self, *args: Any) -> None:
+
+class Launcher:
+    """Triton 3.6's CudaLauncher: `__call__` allocates scratch, then calls `launch`."""
+
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = True
+
+    def __init__(self, calls: list[tuple[str, Any]], scratch: int) -> None:
+        self.calls = calls
+        self.global_scratch_size = scratch
+
+    def __call__(self, *args: Any) -> None:
         self.calls.append(("cached", args))
+
+    def launch(self, *args: Any) -> None:
+        self.calls.append(("cached launch", args))
 
 
 class FakeKernel:
     """Triton's JITFunction as `launch` uses it: `device_caches[device][-1]` is the binder,
     `kernel[grid](...)` the normal path (which returns the compiled kernel)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scratch: int = 0) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.compiled = FakeCompiled(self.calls)
+        self.compiled = FakeCompiled(self.calls, scratch)
         self.device_caches = {0: ({}, {}, None, None, self._bind)}
 
     @staticmethod
@@ -53,18 +68,28 @@ class FakeKernel:
 def fast(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(launch_mod, "_compiled", {})
     monkeypatch.setattr(launch_mod, "_ENABLED", True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     return launch_mod
 
 
-def test_second_launch_goes_to_the_compiled_kernel(fast: Any) -> None:
+def test_second_launch_goes_to_the_compiled_launch(fast: Any) -> None:
     k, x = FakeKernel(), torch.zeros(8)
     launch(k, (4,), x, 5, BLOCK=64, num_warps=4)
     launch(k, (3, 2), x, 5, BLOCK=64, num_warps=4)
+    assert [c[0] for c in k.calls] == ["triton", "cached launch"]
+    # grid padded to 3 dims, the stream, the function, cooperative grid and PDL flags, no
+    # scratch, the packed metadata, no launch metadata or hooks, then every bound argument
+    head = (3, 2, 1, 1234, 7, False, True, None, None, ("meta",), None, None, None)
+    assert k.calls[1][1] == (*head, x, 5, 64)
+
+
+def test_a_launcher_that_needs_scratch_is_called_whole(fast: Any) -> None:
+    k, x = FakeKernel(scratch=256), torch.zeros(8)
+    launch(k, (4,), x, 5, BLOCK=64)
+    launch(k, (4,), x, 5, BLOCK=64)
     assert [c[0] for c in k.calls] == ["triton", "cached"]
-    # grid padded to 3 dims, the stream, the handles, no hooks, then every bound argument
-    assert k.calls[1][1] == (3, 2, 1, 1234, 7, ("meta",), None, None, None, x, 5, 64)
+    assert k.calls[1][1] == (4, 1, 1, 1234, 7, ("meta",), None, None, None, x, 5, 64)
 
 
 def test_a_new_specialization_or_option_takes_triton_path(fast: Any) -> None:
@@ -74,7 +99,7 @@ def test_a_new_specialization_or_option_takes_triton_path(fast: Any) -> None:
     launch(k, (1,), x, 5, BLOCK=128, num_warps=4)  # another constexpr
     launch(k, (1,), x, 5, BLOCK=64, num_warps=8)  # another launch option
     launch(k, (1,), x, 9, BLOCK=64, num_warps=4)  # same specialization as the first
-    assert [c[0] for c in k.calls] == ["triton"] * 4 + ["cached"]
+    assert [c[0] for c in k.calls] == ["triton"] * 4 + ["cached launch"]
 
 
 def test_hooks_callable_grids_and_off_take_triton_path(fast: Any, monkeypatch: Any) -> None:
@@ -120,5 +145,6 @@ def test_cached_launches_match_triton_path() -> None:
         set_fast_launch(False)
         want = fused_add_rms_norm(x, r, w, 1e-6)
         set_fast_launch(True)
-        for a, b, c in zip(got, got2, want):
+        for a, b, c in zip(got, got2, want, strict=True):
             assert torch.equal(a, c) and torch.equal(b, c)
+    assert launch_mod.fast_launch_enabled() and launch_mod._compiled  # the cache was used
