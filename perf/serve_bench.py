@@ -82,6 +82,24 @@ def single_token_words(tokenizer: Any, limit: int = 2000) -> list[str]:
     return words
 
 
+WARM_SEED = 1 << 40  # the warm-up's prompt seeds start here, far from the levels' (args.seed up)
+
+
+def prompt_seeds(
+    levels: list[int], per_worker: int, min_requests: int, seed: int
+) -> tuple[list[int], list[list[int]]]:
+    """Prompt seeds of the warm-up (the largest level once) and of each level's requests, all
+    different. NOTE: random.Random(-k) is random.Random(k): the warm-up once drew its seeds
+    below zero, so its prompts were the levels' and their first requests hit the prefix cache."""
+    warm = [WARM_SEED + i for i in range(max(levels))]
+    out, k = [], seed
+    for c in levels:
+        n = c * max(per_worker, -(-min_requests // c))
+        out.append(list(range(k + 1, k + 1 + n)))
+        k += n + 1
+    return warm, out
+
+
 def make_prompt(tokenizer: Any, words: list[str], n_tokens: int, seed: int) -> str:
     """Random words whose text tokenizes to exactly `n_tokens` (without special tokens)."""
     rng = random.Random(seed)
@@ -338,20 +356,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             return run_server_level(args.url, args.model, prompts, c, max_tokens)
 
     rows = []
-    seed = args.seed
     try:
         # Kernel compilation (the prefill shapes of the largest level too), graph capture and
         # connection set-up out of the figures: the largest level once, with a few tokens each.
-        top = max(levels)
-        warm = [make_prompt(tokenizer, words, args.prompt_tokens, -1 - i) for i in range(top)]
-        run(warm, top, min(4, args.max_tokens))
-        for c in levels:
-            n = c * max(args.requests_per_worker, -(-args.min_requests // c))
+        warm_seeds, level_seeds = prompt_seeds(
+            levels, args.requests_per_worker, args.min_requests, args.seed
+        )
+        warm = [make_prompt(tokenizer, words, args.prompt_tokens, k) for k in warm_seeds]
+        run(warm, max(levels), min(4, args.max_tokens))
+        for c, seeds in zip(levels, level_seeds, strict=True):
             # distinct prompts: no prefix-cache hits between requests of a level or across them
-            prompts = [
-                make_prompt(tokenizer, words, args.prompt_tokens, seed + 1 + i) for i in range(n)
-            ]
-            seed += n + 1
+            prompts = [make_prompt(tokenizer, words, args.prompt_tokens, k) for k in seeds]
             before = histogram_totals(args.metrics_url)
             timings, start, end = run(prompts, c, args.max_tokens)
             row = summarize(timings, start, end, c, args.max_tokens)

@@ -260,3 +260,57 @@ def test_overlap_schedule_gives_the_same_outputs(pool: int, chunk: int, page: in
     assert any(len(v) < 24 for v in results[0].values())  # some stopped on a token
     if pool == 512:  # nothing evicted: the extra tokens' KV never reached the tree
         assert trees[0] == trees[1]
+
+
+def test_prefill_cost_splits_fixed_and_per_token() -> None:
+    """A line through the recent steps: fixed + per_token * tokens, older steps weighed down."""
+    from engine.scheduler.step_cost import PrefillCost
+
+    cost = PrefillCost()
+    assert cost.fit() is None and cost.budget(0.1, 2048, 32) == 2048
+    for n in (512, 1024, 2048, 256, 512):
+        cost.add(n, 0.02 + 1e-5 * n)
+    fit = cost.fit()
+    assert fit is not None
+    assert fit[0] == pytest.approx(0.02) and fit[1] == pytest.approx(1e-5)
+    assert cost.budget(0.05, 8192, 32) == 3000  # (0.05 - 0.02) / 1e-5
+    assert cost.budget(0.01, 8192, 32) == 32  # the fixed cost alone is over the limit
+    # Host-bound steps: no cost per token to speak of, so whole chunks fit the limit.
+    flat = PrefillCost()
+    for n in (1, 32, 512, 2048):
+        flat.add(n, 0.025 + (0.001 if n == 32 else 0.0))
+    assert flat.budget(0.1, 2048, 32) == 2048
+
+
+def test_prompts_after_cached_prompts_keep_whole_chunks() -> None:
+    """The H200 serving run that cut prompts into 32-token chunks: after 1-token prefills (the
+    rest of each prompt cached) of 25 ms each, a 512-token prompt beside decoding requests must
+    not be sliced by a cost of 25 ms per token. Step times are the eager GPU forward's: 25 ms
+    fixed plus 4 us a token; decode steps 8 ms."""
+    config = EngineConfig(model="unused", chunked_prefill_size=2048, schedule_policy="fcfs")
+    sched = Scheduler(config, 1 << 16, 4096, 32)
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+
+    def run(steps: int) -> list[int]:
+        sizes = []
+        for _ in range(steps):
+            out = sched.schedule()
+            assert out is not None
+            sched.process_batch(out, {row: 7 for row in out.sample_rows})
+            if out.batch.mode == ForwardMode.DECODE:
+                sched.record_step(out, 0.008)
+            else:
+                sizes.append(out.batch.num_tokens)
+                sched.record_step(out, 0.025 + 4e-6 * out.batch.num_tokens)
+        return sizes
+
+    for i in range(4):  # 1-token prefills (what a cached prompt costs), decoding beside
+        sched.add_request(Req(f"cached{i}", [5], params, 0))
+        run(2)
+    for i in range(8):
+        sched.add_request(Req(f"new{i}", list(range(100 + 512 * i, 612 + 512 * i)), params, 0))
+    sizes = run(12)
+    # At most one exploring step below a whole prompt, then every step takes whole prompts.
+    assert sum(s < 512 for s in sizes) <= 1, sizes
+    assert sum(sizes) == 8 * 512
+    sched.check_integrity()

@@ -6,8 +6,8 @@ decode batch of every running request. New requests therefore join between decod
 rules keep one long prompt from stalling everyone else: while requests are decoding, a prefill
 step is always followed by a decode step, and it takes only as many tokens as fit in about the
 time of a decode step, or PREFILL_STALL_S if that is longer (from the step times the engine
-reports, `record_step`); and in a prefill step, requests whose whole remaining input fits go
-before the chunks of longer ones. When a decode step cannot get a slot for every running
+reports, `record_step`, fit as a fixed cost plus a cost per token: step_cost.py); and in a
+prefill step, requests whose whole remaining input fits go before the chunks of longer ones. When a decode step cannot get a slot for every running
 request, even after evicting unlocked prefixes from the radix cache, the most recently admitted
 requests are retracted: their computed tokens go into the radix tree (unlocked, so they can be
 evicted and recomputed later) and they return to the front of the queue, keeping their output
@@ -25,6 +25,7 @@ from engine.mem_cache.allocator import TokenSlotAllocator
 from engine.mem_cache.radix_cache import RadixCache
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.scheduler.request import Req, ReqStatus
+from engine.scheduler.step_cost import PrefillCost
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
 MIN_PREFILL_TOKENS = 32  # a prefill step beside decoding requests takes at least this many
@@ -73,7 +74,7 @@ class Scheduler:
         self._row_dirty: set[str] = set()  # rids whose req_to_token row must be rewritten
         self._last_mode: ForwardMode | None = None
         self._decode_step_s: float | None = None  # average seconds of a decode step
-        self._prefill_token_s: float | None = None  # average seconds per prefill token
+        self._prefill_cost = PrefillCost()  # seconds of a prefill step against its tokens
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -119,16 +120,16 @@ class Scheduler:
         if out.batch.mode == ForwardMode.DECODE:
             self._decode_step_s = _ema(self._decode_step_s, seconds)
         elif out.batch.num_tokens:
-            self._prefill_token_s = _ema(self._prefill_token_s, seconds / out.batch.num_tokens)
+            self._prefill_cost.add(out.batch.num_tokens, seconds)
 
     def prefill_budget(self) -> int:
         """Prefill tokens for the next prefill step: `chunked_prefill_size`, but while requests
         are decoding only what runs in about the time of one decode step (or PREFILL_STALL_S,
         if longer), so a running request's next token waits about that long for prefill work."""
         budget = self.config.chunked_prefill_size
-        if self.running and self._decode_step_s and self._prefill_token_s:
-            fair = int(max(self._decode_step_s, PREFILL_STALL_S) / self._prefill_token_s)
-            budget = min(budget, max(fair, MIN_PREFILL_TOKENS))
+        if self.running and self._decode_step_s and self._prefill_cost.seen:
+            limit = max(self._decode_step_s, PREFILL_STALL_S)
+            budget = self._prefill_cost.budget(limit, budget, MIN_PREFILL_TOKENS)
         return budget
 
     def _waiting_order(self) -> list[Req]:

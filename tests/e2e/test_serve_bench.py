@@ -82,3 +82,17 @@ def test_prompt_has_the_asked_token_count() -> None:
     for seed in range(3):
         text = serve_bench.make_prompt(tok, words, 64, seed)
         assert len(tok.encode(text, add_special_tokens=False)) == 64
+
+
+def test_every_prompt_of_a_run_is_new() -> None:
+    """The warm-up's and every level's prompts differ (their seeds once collided, -k and k,
+    and the first requests of each level hit the prefix cache)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(serve_bench.DEFAULT_TOKENIZER))
+    words = serve_bench.single_token_words(tok)
+    warm, levels = serve_bench.prompt_seeds([1, 4, 2], per_worker=2, min_requests=3, seed=0)
+    assert [len(s) for s in levels] == [3, 8, 4]
+    seeds = warm + [k for level in levels for k in level]
+    prompts = {serve_bench.make_prompt(tok, words, 16, k)[:60] for k in seeds}
+    assert len(prompts) == len(seeds)
