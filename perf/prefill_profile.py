@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 
-from engine import LLM, SamplingParams  # noqa: E402
 from write_v2lite_checkpoint import write_checkpoint  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -74,9 +75,7 @@ def torch_profile(run: Any, reps: int, device: torch.device) -> dict[str, Any]:
         gpu_ms=sum(e.time_range.end - e.time_range.start for e in gpu) / 1e3 / reps,
         kernels=len([e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]) / reps,
         aten_ops=sum(n for k, (n, _) in host_self.items() if k.startswith("aten::")) / reps,
-        top_host_ops=[
-            dict(name=k, calls=n / reps, ms=us / 1e3 / reps) for k, (n, us) in top
-        ],
+        top_host_ops=[dict(name=k, calls=n / reps, ms=us / 1e3 / reps) for k, (n, us) in top],
     )
 
 

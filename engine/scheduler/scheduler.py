@@ -7,11 +7,11 @@ rules keep one long prompt from stalling everyone else: while requests are decod
 step is always followed by a decode step, and it takes only as many tokens as fit in about the
 time of a decode step, or PREFILL_STALL_S if that is longer (from the step times the engine
 reports, `record_step`, fit as a fixed cost plus a cost per token: step_cost.py); and in a
-prefill step, requests whose whole remaining input fits go before the chunks of longer ones. When a decode step cannot get a slot for every running
-request, even after evicting unlocked prefixes from the radix cache, the most recently admitted
-requests are retracted: their computed tokens go into the radix tree (unlocked, so they can be
-evicted and recomputed later) and they return to the front of the queue, keeping their output
-so far.
+prefill step, requests whose whole remaining input fits go before the chunks of longer ones.
+When a decode step cannot get a slot for every running request, even after evicting unlocked
+prefixes from the radix cache, the most recently admitted requests are retracted: their
+computed tokens go into the radix tree (unlocked, so they can be evicted and recomputed later)
+and they return to the front of the queue, keeping their output so far.
 """
 
 from __future__ import annotations
