@@ -29,7 +29,7 @@ def test_prefill_warm_up_leaves_outputs_unchanged(
     llm = LLM(model, **common)
     with caplog.at_level(logging.INFO, logger="engine.executor.model_runner"):
         llm.core.runner.warm_up_prefill()
-    assert "prefill warm-up (64, 16 tokens)" in caplog.text
+    assert "prefill warm-up (64, 16 tokens, each also as two requests)" in caplog.text
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     llm.core.scheduler.check_integrity()

@@ -163,8 +163,12 @@ class ModelRunner:
         Triton compiles a kernel the first time it meets a new tile configuration, and the
         prefill kernels choose theirs by size (the fused MoE by tokens per expert): without
         this, the first prompts of each size class wait seconds for the compiler (a TTFT p99 of
-        8.8 s at 16 concurrent requests in the first GPU serving run). The tokens go to the
-        reserved slot 0 and request row 0, which no request holds yet.
+        8.8 s at 16 concurrent requests in the first GPU serving run). Triton also compiles a
+        variant per specialization of the integer arguments (equal to 1, divisible by 16 or
+        not), so each size runs twice: one request of the odd size, then a batch of two whose
+        sizes are multiples of 16, the second behind a cached prefix (the context-gathering
+        path). The tokens go to the reserved slot 0 and request rows 0 and 1, which no request
+        holds yet.
         """
         t0 = time.perf_counter()
         sizes: list[int] = []
@@ -172,14 +176,22 @@ class ModelRunner:
         while size >= 16:
             sizes.append(size)
             size //= 4
+        prefix = 16
         for n in sizes:
-            entry = BatchEntry(0, [0] * n, 0, [0] * n)
-            self.forward(ScheduledBatch(ForwardMode.EXTEND, [entry]))
+            self.forward(ScheduledBatch(ForwardMode.EXTEND, [BatchEntry(0, [0] * n, 0, [0] * n)]))
+            half = max(16, n // 2 // 16 * 16)
+            if half + prefix >= self.max_context_len or self.max_running_requests < 2:
+                continue
+            pair = [
+                BatchEntry(0, [0] * half, 0, [0] * half),
+                BatchEntry(1, [0] * half, prefix, [0] * half, prefix_slots=[0] * prefix),
+            ]
+            self.forward(ScheduledBatch(ForwardMode.EXTEND, pair))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info(
-            "prefill warm-up (%s tokens) in %.1f s", ", ".join(map(str, sizes)),
-            time.perf_counter() - t0,
+            "prefill warm-up (%s tokens, each also as two requests) in %.1f s",
+            ", ".join(map(str, sizes)), time.perf_counter() - t0,
         )  # fmt: skip
 
     def shutdown(self) -> None:
