@@ -4,9 +4,11 @@
 
 Reads /proc only (the device machine has no ps or top). Each line: the time, the machine's busy
 CPUs over the last interval (of its online CPUs), then the busiest threads as
-`pid/tid:name cpu%` (100% = one CPU), so that a thread near 100% (a Python thread that is the
-bottleneck) or a machine near its CPU count stands out. The cgroup's CPU quota, if any, is
-written first: a container can have fewer CPUs to use than it sees.
+`pid/tid:name@cpu cpu%` (100% = one CPU; @cpu the processor it last ran on), so that a thread
+near 100% (a Python thread that is the bottleneck) or a machine near its CPU count stands out.
+Written first: the cgroup's CPU quota, if any (a container can have fewer CPUs to use than it
+sees), the NUMA nodes' CPUs and each NVIDIA GPU's node and local CPUs (a launch-bound thread on
+the far node pays for every launch).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def thread_times() -> dict[str, tuple[str, int]]:
-    """'pid/tid' -> (name, utime + stime ticks) for every thread on the machine."""
-    out: dict[str, tuple[str, int]] = {}
+def thread_times() -> dict[str, tuple[str, int, str]]:
+    """'pid/tid' -> (name, utime + stime ticks, last CPU) for every thread on the machine."""
+    out: dict[str, tuple[str, int, str]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -34,7 +36,8 @@ def thread_times() -> dict[str, tuple[str, int]]:
                 continue
             name = stat[stat.index("(") + 1 : stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2 :].split()
-            out[f"{pid}/{tid}"] = (name, int(fields[11]) + int(fields[12]))
+            # fields[0] is stat's field 3 (state): utime 14, stime 15, processor 39
+            out[f"{pid}/{tid}"] = (name, int(fields[11]) + int(fields[12]), fields[36])
     return out
 
 
@@ -53,6 +56,28 @@ def quota() -> str:
     return "no cgroup CPU quota file"
 
 
+def topology() -> list[str]:
+    """The NUMA nodes' CPU lists, and each NVIDIA GPU's node and local CPUs (from sysfs)."""
+    lines = []
+    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        try:
+            lines.append(f"{node.name} cpus {(node / 'cpulist').read_text().strip()}")
+        except OSError:
+            continue
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+        try:
+            if (dev / "vendor").read_text().strip() != "0x10de":
+                continue
+            if not (dev / "class").read_text().startswith("0x03"):  # display / 3D controllers
+                continue
+            node = (dev / "numa_node").read_text().strip()
+            local = (dev / "local_cpulist").read_text().strip()
+        except OSError:
+            continue
+        lines.append(f"gpu {dev.name} numa_node {node} local cpus {local}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
@@ -61,16 +86,18 @@ def main() -> None:
     args = ap.parse_args()
     with args.out.open("w", buffering=1) as f:
         f.write(f"online CPUs {os.cpu_count()}; {quota()}\n")
+        for line in topology():
+            f.write(line + "\n")
         before, busy0, t0 = thread_times(), busy_ticks(), time.monotonic()
         while True:
             time.sleep(args.interval)
             now, busy1, t1 = thread_times(), busy_ticks(), time.monotonic()
             span = (t1 - t0) * TICKS
             rows = []
-            for key, (name, ticks) in now.items():
-                used = ticks - before.get(key, (name, ticks))[1]
+            for key, (name, ticks, cpu) in now.items():
+                used = ticks - before.get(key, (name, ticks, cpu))[1]
                 if used > 0:
-                    rows.append((100.0 * used / span, f"{key}:{name}"))
+                    rows.append((100.0 * used / span, f"{key}:{name}@{cpu}"))
             rows.sort(reverse=True)
             top = " ".join(f"{who} {pct:.0f}%" for pct, who in rows[: args.top])
             f.write(f"{time.strftime('%T')} busy {(busy1 - busy0) / span:.1f} CPUs | {top}\n")

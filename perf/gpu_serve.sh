@@ -57,7 +57,7 @@ stop_cpu() { kill "$SAMPLER" 2>/dev/null; wait "$SAMPLER" 2>/dev/null; }
 
 finish() {
   step "packing logs"
-  nvidia-smi >"$LOGS/nvidia-smi.txt" 2>&1 || true
+  { nvidia-smi; nvidia-smi topo -m; } >"$LOGS/nvidia-smi.txt" 2>&1 || true
   tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
   ls -la "$OUT"
 }
