@@ -12,8 +12,11 @@ specialization is exactly Triton's: dtypes, 16-byte alignment, ints equal to 1 o
 16, constexpr values) and caches the compiled kernel under that specialization, so a repeated
 launch goes straight to the compiled launcher. A miss (a new specialization) takes Triton's
 normal path, which compiles and launches, and records the result. Anything unusual (the CPU
-interpreter, a launch hook such as a profiler's, a Triton whose internals differ from those
-this was written against) takes the normal path every time.
+interpreter, a launch hook such as a profiler's, a grid given as a function) takes the normal
+path every time, and so does every launch under a Triton other than the versions in
+CHECKED_TRITON (its internals are private and change between releases: 3.9's launcher, for
+one, wraps arguments for its sanitizer); ENGINE_FAST_LAUNCH=1 forces the cache on there,
+ENGINE_FAST_LAUNCH=0 turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +31,26 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"  # as engine.kernels.utils (no cycle)
 
 
-_ENABLED = os.environ.get("ENGINE_FAST_LAUNCH", "1") != "0" and not is_interpreter()
+CHECKED_TRITON = ("3.6.",)  # the device's Triton, where the cached path was run and compared
+
+
+def _checked_triton() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return str(triton.__version__).startswith(CHECKED_TRITON)
+
+
+def _enabled_by_default() -> bool:
+    setting = os.environ.get("ENGINE_FAST_LAUNCH")
+    if setting is not None:
+        return setting != "0" and not is_interpreter()
+    return _checked_triton() and not is_interpreter()
+
+
+_ENABLED = _enabled_by_default()
+_DIRECT = _checked_triton()  # whether _entry may call the launcher's compiled `launch` itself
 
 # (kernel id, device, *specialization, *launch options) -> (launcher, arguments before the grid's
 # and stream's successors: see _entry)
@@ -86,8 +108,12 @@ def _entry(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
     runner = compiled.run
     tail = (compiled.packed_metadata, None, None, None)
     flags = ("launch", "launch_cooperative_grid", "launch_pdl")
-    if all(hasattr(runner, a) for a in flags) and not (
-        getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1)
+    if (
+        _DIRECT
+        and all(hasattr(runner, a) for a in flags)
+        and not (
+            getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1)
+        )
     ):
         head = (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None)
         return runner.launch, head + tail

@@ -68,6 +68,7 @@ class FakeKernel:
 def fast(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(launch_mod, "_compiled", {})
     monkeypatch.setattr(launch_mod, "_ENABLED", True)
+    monkeypatch.setattr(launch_mod, "_DIRECT", True)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
     return launch_mod
@@ -84,12 +85,32 @@ def test_second_launch_goes_to_the_compiled_launch(fast: Any) -> None:
     assert k.calls[1][1] == (*head, x, 5, 64)
 
 
-def test_a_launcher_that_needs_scratch_is_called_whole(fast: Any) -> None:
-    k, x = FakeKernel(scratch=256), torch.zeros(8)
+@pytest.mark.parametrize("why", ["scratch", "another Triton"])
+def test_the_launcher_is_called_whole(fast: Any, monkeypatch: Any, why: str) -> None:
+    """A launcher that needs scratch memory, or one of a Triton other than CHECKED_TRITON,
+    is called as Triton calls it (its own __call__), not its compiled launch."""
+    k, x = FakeKernel(scratch=256 if why == "scratch" else 0), torch.zeros(8)
+    if why == "another Triton":
+        monkeypatch.setattr(launch_mod, "_DIRECT", False)
     launch(k, (4,), x, 5, BLOCK=64)
     launch(k, (4,), x, 5, BLOCK=64)
     assert [c[0] for c in k.calls] == ["triton", "cached"]
     assert k.calls[1][1] == (4, 1, 1, 1234, 7, ("meta",), None, None, None, x, 5, 64)
+
+
+def test_only_a_checked_triton_turns_it_on(monkeypatch: Any) -> None:
+    import triton
+
+    monkeypatch.delenv("ENGINE_FAST_LAUNCH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch_mod._enabled_by_default()
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert not launch_mod._enabled_by_default()
+    monkeypatch.setenv("ENGINE_FAST_LAUNCH", "1")  # forced on
+    assert launch_mod._enabled_by_default()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # never under the interpreter
+    assert not launch_mod._enabled_by_default()
 
 
 def test_a_new_specialization_or_option_takes_triton_path(fast: Any) -> None:
