@@ -2,7 +2,8 @@
 
 An eager forward launches about 11 Triton kernels per decoder layer; on the H200 a lone 512-token
 prefill of DeepSeek-V2-Lite took 34.5 ms of host time for 12.1 ms of GPU work, with Triton's
-launch path (`JITFunction.run`) the largest share (perf/RESULTS.md, "Host time of a prefill").
+launch path (`JITFunction.run`) the largest share (perf/RESULTS.md, "Host time of a lone
+prefill").
 Every launch there re-derives the specialization of each argument (native code), then builds a
 string key (`str(options)`), checks the kernel's globals, canonicalizes the grid through a few
 driver proxies and builds launch metadata for hooks nobody set.
