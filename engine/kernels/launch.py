@@ -29,7 +29,9 @@ import torch
 
 
 def is_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # as engine.kernels.utils (no cycle)
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1).
+    (Defined here, where engine.kernels.utils imports it from: utils imports this module.)"""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 CHECKED_TRITON = ("3.6.",)  # the device's Triton, where the cached path was run and compared
@@ -43,11 +45,22 @@ def _checked_triton() -> bool:
     return str(triton.__version__).startswith(CHECKED_TRITON)
 
 
+def _missing_internals() -> str | None:
+    """What the cached path needs of Triton and this one lacks, or None."""
+    try:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+    except ImportError as e:
+        return f"triton internals not found: {e}"
+    if not hasattr(JITFunction, "create_binder") or not hasattr(knobs, "runtime"):
+        return "JITFunction has no create_binder"
+    return None
+
+
 def _enabled_by_default() -> bool:
     setting = os.environ.get("ENGINE_FAST_LAUNCH")
-    if setting is not None:
-        return setting != "0" and not is_interpreter()
-    return _checked_triton() and not is_interpreter()
+    wanted = setting != "0" if setting is not None else _checked_triton()
+    return wanted and not is_interpreter() and _missing_internals() is None
 
 
 _ENABLED = _enabled_by_default()
@@ -131,19 +144,3 @@ def _launchable(compiled: Any) -> bool:
     """A compiled kernel with the launcher and handles the cached path calls (an async
     compile's future, or another Triton's kernel object, is not cached)."""
     return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
-
-
-def check_internals() -> str | None:
-    """Why the cached path cannot work with this Triton, or None (checked on first CUDA use)."""
-    try:
-        from triton import knobs
-        from triton.runtime.jit import JITFunction
-    except ImportError as e:
-        return f"triton internals not found: {e}"
-    if not hasattr(JITFunction, "create_binder") or not hasattr(knobs, "runtime"):
-        return "JITFunction has no create_binder"
-    return None
-
-
-if _ENABLED and check_internals() is not None:
-    _ENABLED = False

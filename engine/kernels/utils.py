@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.launch import launch
+from engine.kernels.launch import is_interpreter, launch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -21,11 +20,6 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (0 for n <= 0), as triton.next_power_of_2, in plain Python."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def is_interpreter() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache

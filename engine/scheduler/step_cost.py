@@ -51,7 +51,7 @@ class PrefillCost:
             return None
         mean = self.s1 / self.s0
         var = self.s2 / self.s0 - mean * mean
-        if var <= (MIN_SPREAD * mean) ** 2 or var <= 0.0:
+        if var <= (MIN_SPREAD * mean) ** 2:  # tokens > 0, so this also covers var <= 0
             return None
         per_token = (self.t1 / self.s0 - mean * self.t0 / self.s0) / var
         per_token = max(per_token, 0.0)
