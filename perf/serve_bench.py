@@ -277,6 +277,28 @@ def histogram_totals(metrics_url: str | None) -> dict[str, tuple[float, int]]:
     return {name: (total, int(count)) for name, (total, count) in totals.items()}
 
 
+def settled_totals(
+    metrics_url: str | None,
+    before: dict[str, tuple[float, int]],
+    requests: int,
+    timeout_s: float = 3.0,
+) -> dict[str, tuple[float, int]]:
+    """`histogram_totals` once every SERVER_MEANS histogram has `requests` more observations
+    than `before` (or after `timeout_s`). The model publishes a finished request's histograms
+    from its metrics thread after the client has its last response, one observation at a
+    time, so a page read at once can hold a level's TTFT without its engine stages."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = histogram_totals(metrics_url)
+        done = all(
+            after.get(m, (0.0, 0))[1] - before.get(m, (0.0, 0))[1] >= requests
+            for m in SERVER_MEANS.values()
+        )
+        if done or not after or time.monotonic() >= deadline:
+            return after
+        time.sleep(0.05)
+
+
 def level_means(
     before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]
 ) -> dict[str, float]:
@@ -370,7 +392,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             before = histogram_totals(args.metrics_url)
             timings, start, end = run(prompts, c, args.max_tokens)
             row = summarize(timings, start, end, c, args.max_tokens)
-            row.update(level_means(before, histogram_totals(args.metrics_url)))
+            after = settled_totals(args.metrics_url, before, len(prompts))
+            row.update(level_means(before, after))
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     finally:

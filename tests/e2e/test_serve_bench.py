@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.serve import REPO_ROOT, Server
 
 _spec = importlib.util.spec_from_file_location("serve_bench", REPO_ROOT / "perf" / "serve_bench.py")
@@ -96,3 +98,22 @@ def test_every_prompt_of_a_run_is_new() -> None:
     seeds = warm + [k for level in levels for k in level]
     prompts = {serve_bench.make_prompt(tok, words, 16, k)[:60] for k in seeds}
     assert len(prompts) == len(seeds)
+
+
+def test_level_totals_wait_for_every_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model publishes a request's TTFT before its engine stages: a page read in between
+    (a loaded CI machine once did) must not end the level without them."""
+    ttft, queue, prefill = serve_bench.SERVER_MEANS.values()
+    before = {ttft: (0.0, 0), queue: (0.0, 0), prefill: (0.0, 0)}
+    pages = iter(
+        [
+            {ttft: (0.5, 2), queue: (0.0, 0), prefill: (0.0, 0)},
+            {ttft: (0.5, 2), queue: (0.01, 2), prefill: (0.0, 1)},
+            {ttft: (0.5, 2), queue: (0.01, 2), prefill: (0.3, 2)},
+        ]
+    )
+    monkeypatch.setattr(serve_bench, "histogram_totals", lambda url: next(pages))
+    after = serve_bench.settled_totals("http://x/metrics", before, 2)
+    assert after[prefill] == (0.3, 2)
+    means = serve_bench.level_means(before, after)
+    assert set(means) == {"stub_ttft_mean_ms", "engine_queue_mean_ms", "engine_prefill_mean_ms"}
