@@ -1,8 +1,13 @@
 """One log line per prefill batch and per `decode_log_interval` decode steps, as SGLang's
 scheduler logs them: what each batch held, and the generation rate between decode lines.
 
-    prefill batch: 4 requests (3 new), 2048 tokens, 0 cached; running 12, waiting 5, KV 4.1%
+    prefill batch: 4 requests (3 new), 2048 tokens, 0 cached; running 12, waiting 5, KV 4.1%;
+        budget 2048 (fit 24.8 ms + 4.1 us/token)
     decode: 16 running, 1850.2 tok/s, 8.64 ms a step over 40 steps; waiting 0, KV 2.3%
+
+While requests decode, a prefill line also shows the scheduler's prefill budget for the next
+step and the line it fits to the recent prefill steps (scheduler.step_cost), or "one size" while
+the steps seen are too alike to split fixed and per-token cost.
 
 The rate and the time a step take the wall time since the last decode line (prefill steps in
 between included); a pause of over IDLE_S seconds with nothing launched starts the count again.
@@ -52,9 +57,9 @@ class BatchLog:
         cached = sum(len(e.prefix_slots or ()) for e in entries)
         logger.info(
             "prefill batch: %d requests (%d new), %d tokens, %d cached; running %d, waiting %d, "
-            "KV %.1f%%",
+            "KV %.1f%%%s",
             len(entries), new, out.batch.num_tokens, cached, sched.num_running,
-            len(sched.waiting), 100 * sched.kv_usage(),
+            len(sched.waiting), 100 * sched.kv_usage(), _budget(sched),
         )  # fmt: skip
 
     def _decode(self, out: ScheduleOutput) -> None:
@@ -68,3 +73,13 @@ class BatchLog:
             100 * sched.kv_usage(),
         )  # fmt: skip
         self._since, self._generated = now, generated
+
+
+def _budget(sched: Scheduler) -> str:
+    if not sched.running:
+        return ""
+    line = sched.prefill_cost_fit()
+    fit = "one size"
+    if line is not None:
+        fit = f"fit {1e3 * line[0]:.1f} ms + {1e6 * line[1]:.1f} us/token"
+    return f"; budget {sched.prefill_budget()} ({fit})"

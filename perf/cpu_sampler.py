@@ -78,6 +78,23 @@ def topology() -> list[str]:
     return lines
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """sysfs's "0-7,16-23" as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def gpu_local_cpus() -> str | None:
+    """The first NVIDIA GPU's local CPUs as sysfs lists them, None without one."""
+    for line in topology():
+        if line.startswith("gpu "):
+            return line.rsplit(" ", 1)[1]
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)

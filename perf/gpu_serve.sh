@@ -22,7 +22,8 @@
 # for a second server run with the engine inside the stub, LLM_ENGINE_PROCESS=false, written to
 # server_inproc.json; add server_b for a run with the settings in SERVER_B_ENV, e.g.
 # "LLM_ENGINE_PROCESS=false", written to server_b.json; add engine_process for the requests
-# through EngineProcess without Triton, engine_process.json), CONCURRENCY, PROMPT_TOKENS,
+# through EngineProcess without Triton, engine_process.json; add engine_process_pinned for the
+# same with the bench and the engine's child on GPU 0's local CPUs), CONCURRENCY, PROMPT_TOKENS,
 # MAX_TOKENS, REQUESTS_PER_WORKER, MIN_REQUESTS (per level: more per worker at a low
 # concurrency, e.g. 32 for a steadier TTFT at 1), V2LITE_LAYERS (cut the checkpoint's depth),
 # READY_TIMEOUT, any LLM_<FIELD>.
@@ -212,17 +213,34 @@ if [[ ,$TARGETS, == *,engine_process,* ]]; then
   tail -5 "$LOGS/bench_engine_process.err"
 fi
 
+if [[ ,$TARGETS, == *,engine_process_pinned,* ]]; then
+  # the same, with the bench and the engine's child on GPU 0's local CPUs (sysfs local_cpulist)
+  LOCAL=$($PY -c 'from perf.cpu_sampler import gpu_local_cpus; print(gpu_local_cpus() or "")')
+  step "4d. serve_bench through EngineProcess on CPUs ${LOCAL:-(unknown: not pinned)}"
+  sample_cpu engine_process_pinned
+  $PY -c 'import os, sys
+from perf.cpu_sampler import parse_cpulist
+if sys.argv[1]:
+    os.sched_setaffinity(0, parse_cpulist(sys.argv[1]))
+os.execvp(sys.argv[2], sys.argv[2:])' "$LOCAL" $PY perf/serve_bench.py --target engine_process \
+    "${BENCH[@]}" --out "$OUT/engine_process_pinned.json" \
+    2>"$LOGS/bench_engine_process_pinned.err" >/dev/null || RC_ENGINE=1
+  stop_cpu
+  tail -5 "$LOGS/bench_engine_process_pinned.err"
+fi
+
 step "5. summary"
 $PY - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 res = {}
-for name in ("server", "server_inproc", "server_b", "engine_process", "engine"):
+NAMES = ("server", "server_inproc", "server_b", "engine_process", "engine_process_pinned")
+for name in NAMES + ("engine",):
     p = out / f"{name}.json"
     res[name] = json.loads(p.read_text()) if p.is_file() else None
 rows = []
-for name in ("server", "server_inproc", "server_b", "engine_process"):
+for name in NAMES:
     if not (res[name] and res["engine"]):
         continue
     eng = {r["concurrency"]: r for r in res["engine"]["rows"]}

@@ -314,3 +314,28 @@ def test_prompts_after_cached_prompts_keep_whole_chunks() -> None:
     assert sum(s < 512 for s in sizes) <= 1, sizes
     assert sum(sizes) == 8 * 512
     sched.check_integrity()
+
+
+def test_batch_log_shows_the_prefill_budget_and_its_fit() -> None:
+    """The prefill line's tail: nothing while nothing decodes, "one size" before two sizes, then
+    the fitted fixed and per-token cost beside the budget they give."""
+    from engine.batch_log import _budget
+
+    config = EngineConfig(model="unused", chunked_prefill_size=2048, schedule_policy="fcfs")
+    sched = Scheduler(config, 1 << 16, 4096, 32)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    assert _budget(sched) == ""
+    for i, n in enumerate((512, 64)):
+        sched.add_request(Req(f"r{i}", list(range(10, 10 + n)), params, 0))
+        out = sched.schedule()
+        assert out is not None and out.batch.mode == ForwardMode.EXTEND
+        sched.process_batch(out, {row: 7 for row in out.sample_rows})
+        sched.record_step(out, 0.025 + 4e-6 * out.batch.num_tokens)
+        if i == 0:
+            assert _budget(sched) == "; budget 2048 (one size)"  # no decode step timed yet
+            out = sched.schedule()
+            assert out is not None and out.batch.mode == ForwardMode.DECODE
+            sched.process_batch(out, {row: 7 for row in out.sample_rows})
+            sched.record_step(out, 0.008)
+    # 25 ms + 4 us a token; (0.1 s - 25 ms) / 4 us = 18,750 tokens, capped at the chunk size
+    assert _budget(sched) == "; budget 2048 (fit 25.0 ms + 4.0 us/token)"

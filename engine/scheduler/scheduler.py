@@ -132,6 +132,10 @@ class Scheduler:
             budget = self._prefill_cost.budget(limit, budget, MIN_PREFILL_TOKENS)
         return budget
 
+    def prefill_cost_fit(self) -> tuple[float, float] | None:
+        """The (fixed seconds, seconds per token) line the budget uses, None before two sizes."""
+        return self._prefill_cost.fit()
+
     def _waiting_order(self) -> list[Req]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             for req in self.waiting:
