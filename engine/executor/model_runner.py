@@ -28,6 +28,7 @@ from engine.executor.launched_step import LaunchedStep, SampleRequest, StepOutpu
 from engine.executor.loader import load_weights
 from engine.executor.tp_worker import check_tp_split, worker_main
 from engine.forward_batch import ForwardBatch, ForwardContext
+from engine.kernels.launch import mark_warm
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
 from engine.layers.sampler import (
@@ -156,6 +157,7 @@ class ModelRunner:
             self.workers.wait("ready", READY_TIMEOUT_S)
         if self.device.type == "cuda":
             self.warm_up_prefill()
+            mark_warm()  # a Triton compile from here on is logged (engine.kernels.launch)
 
     def warm_up_prefill(self) -> None:
         """Run dummy prefills of the chunk size, then a quarter of it, ... down to 16 tokens.

@@ -67,7 +67,7 @@ def default_moe_config(num_pairs: int, num_experts: int, elem_bytes: int = 2) ->
     return tiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_blocks"])  # see launch.py
 def _moe_align_kernel(
     topk_ids_ptr,  # [num_pairs] expert of each (token, k) pair
     sorted_ids_ptr,  # [max_padded] int32 out
@@ -137,7 +137,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return MoEAlignment(sorted_ids, expert_ids, num_padded)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, H] (A_DIV_TOPK) or activations [T * top_k, I]
     b_ptr,  # [E, N (x2 when GATED), K]: w13 or w2

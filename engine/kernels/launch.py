@@ -18,11 +18,22 @@ path every time, and so does every launch under a Triton other than the versions
 CHECKED_TRITON (its internals are private and change between releases: 3.9's launcher, for
 one, wraps arguments for its sanitizer); ENGINE_FAST_LAUNCH=1 forces the cache on there,
 ENGINE_FAST_LAUNCH=0 turns it off.
+
+A new specialization is a compile (seconds, the first time on a machine) or a load from Triton's
+disk cache (tens of ms) in the middle of a step. The engine warms its kernels up at start and
+then calls `mark_warm()`; a miss after that is logged as a warning with the kernel and what it
+took (`late_compiles()` lists them), so that a stall in serving names its cause. Integer
+arguments that follow the batch (token and pair counts) are in their kernels'
+`do_not_specialize`, so that they do not multiply the variants a warm-up must reach: Triton
+would otherwise build one for each of "equal to 1", "divisible by 16" and "other" (a serving
+run on the H200 showed prefill steps of 0.4-3 s on the first batches of a size).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -70,6 +81,9 @@ _DIRECT = _checked_triton()  # whether _entry may call the launcher's compiled `
 # and stream's successors: see _entry)
 _compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 _runtime: Any = None  # triton.knobs.runtime, imported on first use
+_warm = False  # set by mark_warm: later misses are reported
+_late: list[str] = []  # "kernel (ms)" of each miss after mark_warm
+logger = logging.getLogger(__name__)
 
 
 def fast_launch_enabled() -> bool:
@@ -80,6 +94,17 @@ def set_fast_launch(enabled: bool) -> None:
     """Turn the cached path on or off (benchmarks compare both; tests check it off)."""
     global _ENABLED
     _ENABLED = enabled and not is_interpreter()
+
+
+def mark_warm() -> None:
+    """The engine's warm-up is over: report every new specialization from here on."""
+    global _warm
+    _warm = True
+
+
+def late_compiles() -> list[str]:
+    """The kernels that met a new specialization after `mark_warm`, with the ms each took."""
+    return list(_late)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -101,15 +126,27 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     key = (id(kernel), device, *specialization, *options.items())
     entry = _compiled.get(key)
     if entry is None:
+        t0 = time.perf_counter()
         compiled = kernel[grid](*args, **kwargs)  # compiles (once) and launches
         if _launchable(compiled):
             _compiled[key] = _entry(compiled)
+        if _warm:
+            _report_late(kernel, specialization, 1e3 * (time.perf_counter() - t0))
         return
     run, head = entry
     n = len(grid)
     run(
         grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
         torch._C._cuda_getCurrentRawStream(device), *head, *bound_args.values(),
+    )  # fmt: skip
+
+
+def _report_late(kernel: Any, specialization: Any, ms: float) -> None:
+    name = getattr(kernel, "__name__", type(kernel).__name__)
+    _late.append(f"{name} ({ms:.0f} ms)")
+    logger.warning(
+        "Triton kernel %s met a new specialization after the warm-up (%.0f ms in this step): %s",
+        name, ms, specialization,
     )  # fmt: skip
 
 

@@ -66,7 +66,7 @@ def _gate_tile(x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_s"])  # batch sizes: see launch.py
 def _gate_logits_kernel(
     x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [S, T, E] fp32 (S: splits of H)
     T, E, H, h_split, stride_x, stride_w, stride_l, stride_s,
@@ -94,7 +94,7 @@ def _argmax(vals, offs, BIG: tl.constexpr):
     return m, idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_s"])
 def _moe_router_kernel(
     x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [NUM_SPLITS, T, E], summed here
     w_ptr,  # [E, H] gate weight (FUSE_GATE)

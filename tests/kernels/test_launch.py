@@ -7,6 +7,10 @@ interface, recorded calls). On a GPU, the real kernels launched both ways must a
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -121,6 +125,48 @@ def test_a_new_specialization_or_option_takes_triton_path(fast: Any) -> None:
     launch(k, (1,), x, 5, BLOCK=64, num_warps=8)  # another launch option
     launch(k, (1,), x, 9, BLOCK=64, num_warps=4)  # same specialization as the first
     assert [c[0] for c in k.calls] == ["triton"] * 4 + ["cached launch"]
+
+
+def test_misses_after_the_warm_up_are_reported(
+    fast: Any, monkeypatch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(launch_mod, "_warm", False)
+    monkeypatch.setattr(launch_mod, "_late", [])
+    k, x = FakeKernel(), torch.zeros(8)
+    launch(k, (1,), x, 5, BLOCK=64)  # during the warm-up: not reported
+    launch_mod.mark_warm()
+    launch(k, (1,), x, 9, BLOCK=64)  # cached: not reported
+    with caplog.at_level("WARNING", logger="engine.kernels.launch"):
+        launch(k, (1,), x, 1, BLOCK=64)  # a new specialization after the warm-up
+    late = launch_mod.late_compiles()
+    assert len(late) == 1 and late[0].startswith("FakeKernel (")
+    assert "new specialization after the warm-up" in caplog.text
+
+
+def test_batch_sized_ints_are_not_specialized() -> None:
+    """The integer arguments that follow the batch are in do_not_specialize, by names the
+    kernels have (Triton ignores a name that matches no argument). Read in a process without
+    the interpreter, whose kernels keep no specialization settings."""
+    code = """
+import json
+from engine.kernels import fused_moe, moe_router
+ks = [moe_router._gate_logits_kernel, moe_router._moe_router_kernel,
+      fused_moe._moe_align_kernel, fused_moe._moe_gemm_kernel]
+print(json.dumps({k.__name__: [sorted(k.do_not_specialize), k.arg_names] for k in ks}))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    expected = {
+        "_gate_logits_kernel": ["T", "stride_s"],
+        "_moe_router_kernel": ["T", "stride_s"],
+        "_moe_align_kernel": ["max_blocks", "max_padded", "num_pairs"],
+        "_moe_gemm_kernel": ["num_pairs"],
+    }
+    for name, names in expected.items():
+        settings, arg_names = got[name]
+        assert settings == names and set(names) <= set(arg_names), name
 
 
 def test_hooks_callable_grids_and_off_take_triton_path(fast: Any, monkeypatch: Any) -> None:
