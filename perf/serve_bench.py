@@ -357,6 +357,10 @@ def summarize(
         "e2e_p99_ms": pct(e2e, 99),
         "chunks_per_request": round(float(np.mean([t.chunks for t in ok])), 2) if ok else None,
         **engine_means(ok),
+        # every request's TTFT (a mean and a p50 of 32 requests can hide two modes), and
+        # the engine's own prefill time per request where the target reports it
+        "ttft_ms": [round(float(x), 3) for x in ttft],
+        "engine_prefill_ms": [round(1e3 * t.prefill, 3) for t in ok if t.prefill is not None],
     }
 
 

@@ -70,6 +70,30 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+PACK_ALIGN = 2  # int64 elements: each field of the packed copy starts 16 bytes aligned
+
+
+def pack_int64(fields: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """The fields as int64 tensors on `device`, from one host-to-device copy (pinned on CUDA).
+
+    Each field starts on a 16-byte boundary (zeros pad the one before it): Triton specializes a
+    pointer argument on whether it is 16-byte aligned, and with fields packed end to end the
+    alignment of, say, seq_lens followed the parity of the batch's token count, so a kernel met
+    a variant its warm-up had not built (a 1 s compile mid-serving on the H200).
+    """
+    sizes = [len(f) for f in fields]
+    padded = [-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes]
+    flat: list[int] = []
+    for f, n, size in zip(fields, sizes, padded, strict=True):
+        flat += f
+        flat += [0] * (size - n)
+    host = torch.tensor(flat, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    parts = host.to(device, non_blocking=True).split(padded)
+    return [part[:n] for part, n in zip(parts, sizes, strict=True)]
+
+
 class ModelRunner:
     """One rank's model, KV pool and request table.
 
@@ -328,10 +352,7 @@ class ModelRunner:
             cols,
             vals,
         ]
-        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(self.device, non_blocking=True).split([len(f) for f in fields])
+        packed = pack_int64(fields, self.device)
         ids, pos, out_loc, req_rows, lens, ext_lens, t_rows, t_cols, t_vals = packed
         if input_ids and min(input_ids) < 0:
             ids = self._resolve_placeholders(ids)

@@ -61,6 +61,7 @@ def test_serve_bench_engine_process_target(tmp_path: Path) -> None:
     for row in check_rows(out):  # the engine's stages, from each final delta's RequestMetrics
         assert 0 <= row["engine_queue_mean_ms"]
         assert 0 < row["engine_prefill_mean_ms"] <= row["ttft_mean_ms"]
+        assert len(row["engine_prefill_ms"]) == row["requests"]
 
 
 def check_rows(out: Path) -> list[dict]:
@@ -72,6 +73,8 @@ def check_rows(out: Path) -> list[dict]:
         assert row["output_tok_per_s"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
         assert row["itl_p50_ms"] > 0
+        assert len(row["ttft_ms"]) == row["requests"]  # every request's TTFT
+        assert min(row["ttft_ms"]) <= row["ttft_p50_ms"] <= max(row["ttft_ms"])
     rows: list[dict] = res["rows"]
     return rows
 
