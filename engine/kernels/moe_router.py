@@ -94,15 +94,16 @@ def _argmax(vals, offs, BIG: tl.constexpr):
     return m, idx
 
 
-@triton.jit(do_not_specialize=["T", "stride_s"])
+@triton.jit(do_not_specialize=["T", "stride_s", "num_splits"])
 def _moe_router_kernel(
-    x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [NUM_SPLITS, T, E], summed here
+    x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [num_splits, T, E], summed here
     w_ptr,  # [E, H] gate weight (FUSE_GATE)
     bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
     topk_w_ptr,  # [T, TOP_K + NUM_SHARED] fp32
     topk_ids_ptr,  # [T, TOP_K + NUM_SHARED] int32
     T, E, H, stride_x, stride_w, stride_s, group_size, scale,
-    NUM_SPLITS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+    num_splits,  # a runtime bound: the split count follows the batch size (gate_logit_splits)
+    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
     NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -119,7 +120,7 @@ def _moe_router_kernel(
     else:
         l_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_e[None, :]
         logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for split in tl.static_range(NUM_SPLITS):  # in order: the sum does not vary by run
+        for split in range(num_splits):  # in order: the sum does not vary by run
             logits += tl.load(l_ptrs + split * stride_s, mask=mask_t[:, None] & mask_e[None, :],
                               other=0.0)  # fmt: skip
     neg_inf = float("-inf")
@@ -266,8 +267,8 @@ def moe_router(
         src, weight, correction_bias if correction_bias is not None else topk_weights,
         topk_weights, topk_ids,
         num_tokens, num_experts, hidden, src.stride(-2), weight.stride(0),
-        src.stride(0) if splits > 1 else 0, num_experts // num_groups, float(scale),
-        NUM_SPLITS=splits, TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups,
+        src.stride(0) if splits > 1 else 0, num_experts // num_groups, float(scale), splits,
+        TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups,
         TOPK_GROUP=topk_group,
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,

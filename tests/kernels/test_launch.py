@@ -160,7 +160,7 @@ print(json.dumps({k.__name__: [sorted(k.do_not_specialize), k.arg_names] for k i
     got = json.loads(out.stdout)
     expected = {
         "_gate_logits_kernel": ["T", "stride_s"],
-        "_moe_router_kernel": ["T", "stride_s"],
+        "_moe_router_kernel": ["T", "num_splits", "stride_s"],
         "_moe_align_kernel": ["max_blocks", "max_padded", "num_pairs"],
         "_moe_gemm_kernel": ["num_pairs"],
     }
