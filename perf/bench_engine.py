@@ -6,7 +6,9 @@ One run (under 8 minutes on one H200):
 - batch-1 decode ms/step with CUDA graphs (the default), eagerly (enable_cuda_graph=False), and
   with graphs + torch.compile: an engine of its own per `--compile-layers` choice (graphs and
   compile up to batch 16), which also runs the `--compile-ns` request counts (default 16) and
-  reports its start-up time, compilation included (a second run loads inductor's cache);
+  reports its start-up time, compilation included (a second run loads inductor's cache); it
+  runs after the graphs-only engines, and `compile.<layers>.vs_graphs` gives graphs-alone time
+  over compiled time from the same run (batch 1, and the decode phase of each shared N);
 - for N requests (512 random prompt tokens, 256 new tokens, ignore_eos, greedy), with bf16 and
   with FP8 (e4m3) KV: end-to-end output tok/s; the decode phase alone (steps without prefill:
   ms/step, tok/s, share of the decode ceiling); the prefill phase alone (tok/s, TFLOP/s, share
@@ -467,6 +469,24 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
+def compile_speedups(result: dict[str, Any], compiled: dict[str, Any]) -> dict[str, float]:
+    """Graphs-alone time over graphs + compile time (above 1: compile is faster), for batch-1
+    decode and for the decode phase of each request count both engines ran (bf16 KV)."""
+    out: dict[str, float] = {}
+    graphs = result["batch1"].get("graphs_bf16") or result["batch1"].get("default_bf16")  # CPU
+    if graphs and compiled.get("batch1"):
+        key = "ms_per_step_median"
+        out["batch1"] = round(graphs[key] / compiled["batch1"][key], 3)
+    plain = {r["n"]: r for r in result["runs"] if r.get("kv") == "bf16"}
+    for r in compiled.get("runs", []):
+        base = plain.get(r.get("n"))
+        a = ((base or {}).get("decode") or {}).get("ms_per_step_median")
+        b = (r.get("decode") or {}).get("ms_per_step_median")
+        if a and b:
+            out[f"n{r['n']}_decode"] = round(a / b, 3)
+    return out
+
+
 def compiled_sizes(llm: LLM) -> list[int]:
     """With graphs: the batch sizes compiled at start-up (none if compiling failed and the
     graphs were captured without); without (CPU): the sizes the runs compiled."""
@@ -732,18 +752,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if eager and "profile" in eager:
         result["profile"]["eager_b1"] = eager.pop("profile")
-    result["compile"] = {}
-    for layers in compile_layers:
-        c = result["compile"][layers] = task(
-            f"compile {layers}", partial(bench.compile_engine, layers), f"compile {layers}"
-        )
-        if c and "batch1" in c:
-            result["batch1"][f"compile_{layers}_bf16"] = c["batch1"]
-            say(
-                f"graphs + compile ({layers}): engine start {c['engine_s']:.0f} s (sizes "
-                f"{c['compiled_sizes']} compiled), batch-1 "
-                f"{c['batch1']['ms_per_step_median']:.2f} ms/step"
-            )
     if args.overlap_compare:  # the default engine's batch 1 with the overlap schedule flipped
         main_on = OVERLAP[args.overlap]
         flipped = not (device.type == "cuda" if main_on is None else main_on)
@@ -788,6 +796,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llm.shutdown()
             del llm
             bench.release()
+    # Compile engines after the graphs-only ones: a compiled engine's memory does not all come
+    # back when it is deleted (run E: 20.8 of 139.8 GiB free after it, and the graphs-only
+    # engine that was to follow could not start), so the same-run comparison needs this order.
+    result["compile"] = {}
+    for layers in compile_layers:
+        c = result["compile"][layers] = task(
+            f"compile {layers}", partial(bench.compile_engine, layers), f"compile {layers}"
+        )
+        if c and "batch1" in c:
+            result["batch1"][f"compile_{layers}_bf16"] = c["batch1"]
+            c["vs_graphs"] = compile_speedups(result, c)
+            say(
+                f"graphs + compile ({layers}): engine start {c['engine_s']:.0f} s (sizes "
+                f"{c['compiled_sizes']} compiled), batch-1 "
+                f"{c['batch1']['ms_per_step_median']:.2f} ms/step; against graphs alone in "
+                f"this run: {c['vs_graphs']}"
+            )
     if args.fp8_absorb_compare:  # as long as the bf16 engine's start, batch 1 and same Ns took
         like = ["bf16 engine", "bf16 batch 1", *(f"bf16 N={n}" for n in args.fp8_absorb_ns_list)]
         f = result["fp8_absorb"] = task(

@@ -53,6 +53,9 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     compiled = res["compile"]["native"]
     assert {1, 3} <= set(compiled["compiled_sizes"]) and compiled["engine_s"] > 0
     assert [r["n"] for r in compiled["runs"]] == [3] and compiled["runs"][0]["e2e_tok_s"] > 0
+    # against the default engine of the same run, which now runs before it
+    assert set(compiled["vs_graphs"]) == {"batch1", "n3_decode"}
+    assert all(v > 0 for v in compiled["vs_graphs"].values())
     assert res["batch1"]["eager_bf16"]["ms_per_step_median"] > 0
     for name in ("eager_bf16", "default_bf16", "overlap_off_bf16"):
         b1 = res["batch1"][name]
