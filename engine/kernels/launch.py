@@ -26,7 +26,10 @@ took (`late_compiles()` lists them), so that a stall in serving names its cause.
 arguments that follow the batch (token and pair counts) are in their kernels'
 `do_not_specialize`, so that they do not multiply the variants a warm-up must reach: Triton
 would otherwise build one for each of "equal to 1", "divisible by 16" and "other" (a serving
-run on the H200 showed prefill steps of 0.4-3 s on the first batches of a size).
+run on the H200 showed prefill steps of 0.4-3 s on the first batches of a size). Pointers are
+specialized on 16-byte alignment, so the step's packed inputs keep every field aligned
+(model_runner.pack_int64), and a count that follows the batch is a runtime loop bound rather
+than a constexpr (the router's split count).
 """
 
 from __future__ import annotations
