@@ -221,7 +221,10 @@ if [[ ,$TARGETS, == *,engine_process_pinned,* ]]; then
   $PY -c 'import os, sys
 from perf.cpu_sampler import parse_cpulist
 if sys.argv[1]:
-    os.sched_setaffinity(0, parse_cpulist(sys.argv[1]))
+    cpus = parse_cpulist(sys.argv[1]) & os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+print("pinned to", sorted(os.sched_getaffinity(0)), file=sys.stderr)
 os.execvp(sys.argv[2], sys.argv[2:])' "$LOCAL" $PY perf/serve_bench.py --target engine_process \
     "${BENCH[@]}" --out "$OUT/engine_process_pinned.json" \
     2>"$LOGS/bench_engine_process_pinned.err" >/dev/null || RC_ENGINE=1

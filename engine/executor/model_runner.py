@@ -125,6 +125,7 @@ class ModelRunner:
         # The ids sampled by the latest launched step, on the device: placeholder input ids of
         # the next step are read from here (`_resolve_placeholders`).
         self._last_sampled: torch.Tensor | None = None
+        mark_warm(False)  # this engine's warm-up compiles are not late (engine.kernels.launch)
         try:
             with DEVICE_LOCK:  # seeds, builds and captures: no other engine's step meanwhile
                 self._init_model_and_memory()
@@ -179,7 +180,9 @@ class ModelRunner:
             )
         if self.workers is not None:
             self.workers.wait("ready", READY_TIMEOUT_S)
-        if self.device.type == "cuda":
+        # Rank 0 only: its forwards drive the workers' (a worker warming up on its own would wait
+        # in a collective for rank 0, which waits for the workers' "ready").
+        if self.device.type == "cuda" and self.parallel.rank == 0:
             self.warm_up_prefill()
             mark_warm()  # a Triton compile from here on is logged (engine.kernels.launch)
 

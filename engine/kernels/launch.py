@@ -22,7 +22,8 @@ ENGINE_FAST_LAUNCH=0 turns it off.
 A new specialization is a compile (seconds, the first time on a machine) or a load from Triton's
 disk cache (tens of ms) in the middle of a step. The engine warms its kernels up at start and
 then calls `mark_warm()`; a miss after that is logged as a warning with the kernel and what it
-took (`late_compiles()` lists them), so that a stall in serving names its cause. Integer
+took (`late_compiles()` lists them), so that a stall in serving names its cause (on the cached
+path only: with it off, Triton's own path compiles without a word). Integer
 arguments that follow the batch (token and pair counts) are in their kernels'
 `do_not_specialize`, so that they do not multiply the variants a warm-up must reach: Triton
 would otherwise build one for each of "equal to 1", "divisible by 16" and "other" (a serving
@@ -86,6 +87,7 @@ _compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 _runtime: Any = None  # triton.knobs.runtime, imported on first use
 _warm = False  # set by mark_warm: later misses are reported
 _late: list[str] = []  # "kernel (ms)" of each miss after mark_warm
+_reported: set[tuple[Any, ...]] = set()  # keys reported (one not cached would miss each time)
 logger = logging.getLogger(__name__)
 
 
@@ -99,10 +101,11 @@ def set_fast_launch(enabled: bool) -> None:
     _ENABLED = enabled and not is_interpreter()
 
 
-def mark_warm() -> None:
-    """The engine's warm-up is over: report every new specialization from here on."""
+def mark_warm(warm: bool = True) -> None:
+    """The engine's warm-up is over: report every new specialization from here on (False: an
+    engine is starting, its compiles are expected)."""
     global _warm
-    _warm = True
+    _warm = warm
 
 
 def late_compiles() -> list[str]:
@@ -133,7 +136,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         compiled = kernel[grid](*args, **kwargs)  # compiles (once) and launches
         if _launchable(compiled):
             _compiled[key] = _entry(compiled)
-        if _warm:
+        if _warm and key not in _reported:
+            _reported.add(key)
             _report_late(kernel, specialization, 1e3 * (time.perf_counter() - t0))
         return
     run, head = entry

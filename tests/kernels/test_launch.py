@@ -132,6 +132,7 @@ def test_misses_after_the_warm_up_are_reported(
 ) -> None:
     monkeypatch.setattr(launch_mod, "_warm", False)
     monkeypatch.setattr(launch_mod, "_late", [])
+    monkeypatch.setattr(launch_mod, "_reported", set())
     k, x = FakeKernel(), torch.zeros(8)
     launch(k, (1,), x, 5, BLOCK=64)  # during the warm-up: not reported
     launch_mod.mark_warm()
@@ -141,6 +142,13 @@ def test_misses_after_the_warm_up_are_reported(
     late = launch_mod.late_compiles()
     assert len(late) == 1 and late[0].startswith("FakeKernel (")
     assert "new specialization after the warm-up" in caplog.text
+    k.compiled = object()  # not launchable: not cached, so it misses every time
+    launch(k, (1,), x, 5, BLOCK=32)
+    launch(k, (1,), x, 5, BLOCK=32)
+    assert len(launch_mod.late_compiles()) == 2  # reported once
+    launch_mod.mark_warm(False)  # a new engine starting: its compiles are not late
+    launch(k, (1,), x, 5, BLOCK=16)
+    assert len(launch_mod.late_compiles()) == 2
 
 
 def test_batch_sized_ints_are_not_specialized() -> None:
