@@ -64,18 +64,26 @@ def topology() -> list[str]:
             lines.append(f"{node.name} cpus {(node / 'cpulist').read_text().strip()}")
         except OSError:
             continue
+    for bus, node, local in nvidia_gpus():
+        lines.append(f"gpu {bus} numa_node {node} local cpus {local}")
+    return lines
+
+
+def nvidia_gpus() -> list[tuple[str, str, str]]:
+    """(PCI bus id, NUMA node, local CPU list) of each NVIDIA display / 3D controller in sysfs."""
+    gpus = []
     for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
         try:
             if (dev / "vendor").read_text().strip() != "0x10de":
                 continue
-            if not (dev / "class").read_text().startswith("0x03"):  # display / 3D controllers
+            if not (dev / "class").read_text().startswith("0x03"):
                 continue
             node = (dev / "numa_node").read_text().strip()
             local = (dev / "local_cpulist").read_text().strip()
         except OSError:
             continue
-        lines.append(f"gpu {dev.name} numa_node {node} local cpus {local}")
-    return lines
+        gpus.append((dev.name, node, local))
+    return gpus
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -89,10 +97,8 @@ def parse_cpulist(text: str) -> set[int]:
 
 def gpu_local_cpus() -> str | None:
     """The first NVIDIA GPU's local CPUs as sysfs lists them, None without one."""
-    for line in topology():
-        if line.startswith("gpu "):
-            return line.rsplit(" ", 1)[1]
-    return None
+    gpus = nvidia_gpus()
+    return gpus[0][2] if gpus else None
 
 
 def main() -> None:

@@ -21,9 +21,10 @@ def test_parse_cpulist() -> None:
     assert cpu_sampler.parse_cpulist("") == set()
 
 
-def test_gpu_local_cpus_reads_the_topology_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    lines = ["node0 cpus 0-7", "node1 cpus 8-15", "gpu 0000:3b:00.0 numa_node 1 local cpus 8-15"]
-    monkeypatch.setattr(cpu_sampler, "topology", lambda: lines)
+def test_gpu_local_cpus_is_the_first_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = [("0000:3b:00.0", "1", "8-15"), ("0000:af:00.0", "0", "0-7")]
+    monkeypatch.setattr(cpu_sampler, "nvidia_gpus", lambda: gpus)
     assert cpu_sampler.gpu_local_cpus() == "8-15"
-    monkeypatch.setattr(cpu_sampler, "topology", lambda: lines[:2])
+    assert "gpu 0000:3b:00.0 numa_node 1 local cpus 8-15" in cpu_sampler.topology()
+    monkeypatch.setattr(cpu_sampler, "nvidia_gpus", lambda: [])
     assert cpu_sampler.gpu_local_cpus() is None

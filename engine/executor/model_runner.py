@@ -29,6 +29,7 @@ from engine.executor.loader import load_weights
 from engine.executor.tp_worker import check_tp_split, worker_main
 from engine.forward_batch import ForwardBatch, ForwardContext
 from engine.kernels.launch import mark_warm
+from engine.kernels.utils import cdiv
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.registry import make_attention_backend
 from engine.layers.sampler import (
@@ -82,7 +83,7 @@ def pack_int64(fields: list[list[int]], device: torch.device) -> list[torch.Tens
     a variant its warm-up had not built (a 1 s compile mid-serving on the H200).
     """
     sizes = [len(f) for f in fields]
-    padded = [-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes]
+    padded = [cdiv(n, PACK_ALIGN) * PACK_ALIGN for n in sizes]
     flat: list[int] = []
     for f, n, size in zip(fields, sizes, padded, strict=True):
         flat += f
@@ -192,12 +193,11 @@ class ModelRunner:
         Triton compiles a kernel the first time it meets a new tile configuration, and the
         prefill kernels choose theirs by size (the fused MoE by tokens per expert): without
         this, the first prompts of each size class wait seconds for the compiler (a TTFT p99 of
-        8.8 s at 16 concurrent requests in the first GPU serving run). Triton also compiles a
-        variant per specialization of the integer arguments (equal to 1, divisible by 16 or
-        not), so each size runs twice: one request of the odd size, then a batch of two whose
-        sizes are multiples of 16, the second behind a cached prefix (the context-gathering
-        path). The tokens go to the reserved slot 0 and request rows 0 and 1, which no request
-        holds yet.
+        8.8 s at 16 concurrent requests in the first GPU serving run). Each size runs twice: one
+        request of the odd size, then a batch of two whose sizes are multiples of 16, the second
+        behind a cached prefix (the context-gathering path), for the variants that remain by
+        argument (the batch-sized ints are not specialized: engine.kernels.launch). The tokens
+        go to the reserved slot 0 and request rows 0 and 1, which no request holds yet.
         """
         t0 = time.perf_counter()
         sizes: list[int] = []

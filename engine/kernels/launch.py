@@ -86,8 +86,9 @@ _DIRECT = _checked_triton()  # whether _entry may call the launcher's compiled `
 _compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 _runtime: Any = None  # triton.knobs.runtime, imported on first use
 _warm = False  # set by mark_warm: later misses are reported
-_late: list[str] = []  # "kernel (ms)" of each miss after mark_warm
-_reported: set[tuple[Any, ...]] = set()  # keys reported (one not cached would miss each time)
+# key -> "kernel (ms)" of each miss after mark_warm, once per key (a compiled kernel that is not
+# cached would miss on every launch)
+_late: dict[tuple[Any, ...], str] = {}
 logger = logging.getLogger(__name__)
 
 
@@ -110,7 +111,7 @@ def mark_warm(warm: bool = True) -> None:
 
 def late_compiles() -> list[str]:
     """The kernels that met a new specialization after `mark_warm`, with the ms each took."""
-    return list(_late)
+    return list(_late.values())
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -136,9 +137,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         compiled = kernel[grid](*args, **kwargs)  # compiles (once) and launches
         if _launchable(compiled):
             _compiled[key] = _entry(compiled)
-        if _warm and key not in _reported:
-            _reported.add(key)
-            _report_late(kernel, specialization, 1e3 * (time.perf_counter() - t0))
+        if _warm and key not in _late:
+            _report_late(key, kernel, specialization, 1e3 * (time.perf_counter() - t0))
         return
     run, head = entry
     n = len(grid)
@@ -148,9 +148,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     )  # fmt: skip
 
 
-def _report_late(kernel: Any, specialization: Any, ms: float) -> None:
+def _report_late(key: tuple[Any, ...], kernel: Any, specialization: Any, ms: float) -> None:
     name = getattr(kernel, "__name__", type(kernel).__name__)
-    _late.append(f"{name} ({ms:.0f} ms)")
+    _late[key] = f"{name} ({ms:.0f} ms)"
     logger.warning(
         "Triton kernel %s met a new specialization after the warm-up (%.0f ms in this step): %s",
         name, ms, specialization,

@@ -131,8 +131,7 @@ def test_misses_after_the_warm_up_are_reported(
     fast: Any, monkeypatch: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(launch_mod, "_warm", False)
-    monkeypatch.setattr(launch_mod, "_late", [])
-    monkeypatch.setattr(launch_mod, "_reported", set())
+    monkeypatch.setattr(launch_mod, "_late", {})
     k, x = FakeKernel(), torch.zeros(8)
     launch(k, (1,), x, 5, BLOCK=64)  # during the warm-up: not reported
     launch_mod.mark_warm()
