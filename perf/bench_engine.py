@@ -444,6 +444,14 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
     wall_ms = 1e3 * statistics.median(walls) if walls else None
     gpu_ms = gpu_us / 1e3 / steps if gpu else None
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
+    # One step's kernels in launch order (the first of the profiled steps, which all run the
+    # same graph at one batch size): name, duration and the idle gap before each, in us.
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)[: len(kernels) // max(steps, 1)]
+    timeline = [
+        [e.name[:70], round(e.time_range.end - e.time_range.start, 2),
+         round(e.time_range.start - ordered[i - 1].time_range.end, 2) if i else 0.0]
+        for i, e in enumerate(ordered)
+    ]  # fmt: skip
     return dict(
         steps=steps,
         all_decode=all(r.decode for r in records if r.profiled),
@@ -462,6 +470,7 @@ def summarize_profile(prof: Any, records: list[StepRecord]) -> dict[str, Any]:
             dict(name=name, per_step=n / steps, ms_per_step=us / 1e3 / steps)
             for name, (n, us) in top
         ],
+        step_timeline=timeline,
         top_host_ops=[
             dict(name=name[:90], per_step=cpu_names[name] / steps, ms_per_step=us / 1e3 / steps)
             for name, us in sorted(host_self.items(), key=lambda kv: -kv[1])[:15]
@@ -539,6 +548,13 @@ class Bench:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             logging.info("device memory free: %.1f of %.1f GiB", free / 2**30, total / 2**30)
+
+    def allocator_counts(self) -> dict[str, int]:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+        return {k: int(stats.get(k, 0)) for k in keys}
 
     def prompts(self, n: int, length: int | None = None) -> list[list[int]]:
         self.seed += 1  # new ids each run: no prefix of one run is cached from another
@@ -653,12 +669,17 @@ class Bench:
         graphs = getattr(llm.core.runner, "graph_runner", None)
         replays = getattr(graphs, "replays", 0)
         timer = StepTimer(llm.core, self.device)
+        before = self.allocator_counts()
         try:
             seconds = self.generate(llm, n, a.max_tokens)
         finally:
             timer.close()
         result = dict(n=n, e2e_s=seconds, e2e_tok_s=n * a.max_tokens / seconds, warmup_s=warm_s)
         result["graph_replays"] = getattr(graphs, "replays", 0) - replays
+        # cudaMalloc / cudaFree calls and out-of-memory retries (which free the cache and sync)
+        # in the timed run: a steady state makes none.
+        after = self.allocator_counts()
+        result["allocator"] = {k: after[k] - before[k] for k in after}
         result.update(phases(timer.records, ceil, n))
         return result
 
@@ -712,7 +733,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(kv_tokens={}, batch1={}, runs=[], profile={}, skipped=[], errors={}, task_s={})
     save()
 
-    kvs = [k for k in ("bf16", "fp8") if k in args.kv.split(",")]
+    kvs = [k for k in dict.fromkeys(args.kv.split(",")) if k in KV_DTYPES]  # in the order given
     profile_ns = [int(x) for x in args.profile_ns.split(",") if x]
     per_engine = {
         kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
@@ -987,7 +1008,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="N = 1,16,64 and 64 new tokens")
     ap.add_argument("--ns", default=None, help="request counts, e.g. 1,16 (default 1,16,...,256)")
-    ap.add_argument("--kv", default="bf16,fp8", help="KV dtypes to run: bf16, fp8 or both")
+    ap.add_argument(
+        "--kv", default="bf16,fp8", help="KV dtypes to run, in this order: bf16, fp8 or both"
+    )
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")
     ap.add_argument("--b1-tokens", type=int, default=None, help="batch-1 run length (64)")

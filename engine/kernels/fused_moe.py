@@ -6,7 +6,10 @@ multiple of BLOCK_M, in one Triton program with no sort and no host sync (CUDA-g
 Each GEMM program takes one BLOCK_M block, which belongs to exactly one expert, and one BLOCK_N
 slice of the output.
 
-Decode runs the same grouped GEMMs, with narrow tiles (`default_moe_config`). A GEMV path for
+Decode runs the same grouped GEMMs, with narrow tiles (`default_moe_config`). Up to
+INLINE_ALIGN_MAX_PAIRS pairs (a decode step of up to 16 tokens at V2-Lite's 6 + 2 experts) there
+is no alignment kernel: each GEMM program works out its own block's expert and rows from the
+[T, k] ids, which a decode step's few pairs make cheap (one launch less per layer). A GEMV path for
 decode (one program per (token, expert) pair, no alignment) was tried and removed: on an H200 it
 was 0.71-0.98x of the grouped GEMMs at 1-8 tokens (perf/RESULTS.md, "Fused MoE").
 """
@@ -27,6 +30,10 @@ class MoEAlignment(NamedTuple):
     sorted_ids: torch.Tensor  # [max_padded] int32: flat (token * top_k + k) ids; pad = T * top_k
     expert_ids: torch.Tensor  # [max_blocks] int32: the expert of each BLOCK_M block
     num_padded: torch.Tensor  # [1] int32: used length of sorted_ids
+
+
+# Up to this many (token, expert) pairs each GEMM program aligns its own block (see above).
+INLINE_ALIGN_MAX_PAIRS = 128
 
 
 class MoEConfig(NamedTuple):
@@ -111,6 +118,12 @@ def _moe_align_kernel(
         tl.store(sorted_ids_ptr + dest, start + offs, mask=mask)
 
 
+def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most BLOCK_M blocks an alignment can use: every used block holds at least one pair,
+    and the padded runs add at most block_m - 1 places per expert."""
+    return min(cdiv(num_pairs + num_experts * (block_m - 1), block_m), num_pairs)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """topk_ids [T, k] -> pairs grouped by expert, each expert's run padded to block_m.
 
@@ -119,7 +132,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     max_padded = num_pairs + num_experts * (block_m - 1)
-    max_blocks = cdiv(max_padded, block_m)
+    max_blocks = max_align_blocks(num_pairs, num_experts, block_m)
     device = flat.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
@@ -137,6 +150,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return MoEAlignment(sorted_ids, expert_ids, num_padded)
 
 
+@triton.jit
+def _inline_block(topk_ids_ptr, num_pairs, pid_m, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_E: tl.constexpr):  # fmt: skip
+    """Block pid_m of the alignment `moe_align_block_size` would make, from the pairs' expert
+    ids alone: (whether the block is used, its expert, its BLOCK_M pair ids, num_pairs where
+    padded). Pairs keep their order within an expert's run (a rank by pair index)."""
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_pairs
+    pair_e = tl.load(topk_ids_ptr + offs_p, mask=mask_p, other=0).to(tl.int32)
+    blocks = (tl.histogram(pair_e, BLOCK_E, mask=mask_p) + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)  # [BLOCK_E]: blocks of the experts up to and including e
+    expert = tl.sum((block_end <= pid_m).to(tl.int32), 0)  # experts wholly before pid_m
+    offs_e = tl.arange(0, BLOCK_E)
+    first = tl.sum(tl.where(offs_e == expert, block_end - blocks, 0), 0)
+    # rank[p]: earlier pairs of p's expert
+    earlier = (pair_e[:, None] == pair_e[None, :]) & (offs_p[None, :] < offs_p[:, None])
+    rank = tl.sum((earlier & mask_p[None, :]).to(tl.int32), 1)
+    place = rank - (pid_m - first) * BLOCK_M  # the row of this block each pair would take
+    offs_m = tl.arange(0, BLOCK_M)
+    hit = ((pair_e == expert) & mask_p)[None, :] & (place[None, :] == offs_m[:, None])
+    ids = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
+    ids = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, ids, num_pairs)
+    return pid_m < tl.sum(blocks, 0), expert.to(tl.int64), ids
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: hidden [T, H] (A_DIV_TOPK) or activations [T * top_k, I]
@@ -144,23 +182,31 @@ def _moe_gemm_kernel(
     s_ptr,  # HAS_SHARED: the shared experts' gate_up [2 * S, K] or down [N, S]
     c_ptr,  # [T * top_k, N]
     topk_w_ptr,  # [T * top_k] fp32
-    sorted_ids_ptr,
+    sorted_ids_ptr,  # the alignment's (INLINE_ALIGN: the [T * top_k] expert ids instead)
     expert_ids_ptr,
     num_padded_ptr,
     N, K, num_pairs, top_k,
     stride_am, stride_be, stride_bn, stride_cm,
     num_routed, s_stride_be, s_stride_bn, s_up,
     A_DIV_TOPK: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
+    HAS_SHARED: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if INLINE_ALIGN:
+        found, expert, ids = _inline_block(
+            sorted_ids_ptr, num_pairs, pid_m, BLOCK_M, BLOCK_P, BLOCK_E
+        )
+        if not found:
+            return
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     valid = ids < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if A_DIV_TOPK:
         a_rows = ids // top_k
     else:
@@ -215,7 +261,7 @@ def _moe_gemm(
     b: torch.Tensor,
     c: torch.Tensor,
     topk_weights: torch.Tensor,
-    align: MoEAlignment,
+    align: MoEAlignment | torch.Tensor,
     top_k: int,
     n: int,
     a_div_topk: bool,
@@ -233,13 +279,25 @@ def _moe_gemm(
                   shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
     else:  # down [N, S]: slot j is columns j * K.., rows S apart
         s_args = (shared, num_routed, k, shared.stride(0), 0)
-    grid = (align.expert_ids.shape[0], cdiv(n, cfg.block_n))
+    num_pairs = topk_weights.shape[0]
+    num_experts = num_routed
+    if shared is not None:  # its slots are experts num_routed.. (gate_up [2 * S, K], down [N, S])
+        num_experts += shared.shape[0] // (2 * n) if gated else shared.shape[1] // k
+    if isinstance(align, MoEAlignment):
+        blocks, tables = align.expert_ids.shape[0], align
+    else:  # the pairs' expert ids [T * top_k]: each program aligns its own block
+        blocks = max_align_blocks(num_pairs, num_experts, cfg.block_m)
+        tables = MoEAlignment(align, align, align)
+    grid = (blocks, cdiv(n, cfg.block_n))
     launch(
         _moe_gemm_kernel, grid,
-        a, b, s_args[0], c, topk_weights, align.sorted_ids, align.expert_ids, align.num_padded,
-        n, k, c.shape[0], top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a, b, s_args[0], c, topk_weights, tables.sorted_ids, tables.expert_ids, tables.num_padded,
+        n, k, num_pairs, top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         *s_args[1:],
         A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
+        INLINE_ALIGN=not isinstance(align, MoEAlignment),
+        BLOCK_P=max(16, next_power_of_2(num_pairs)),
+        BLOCK_E=max(16, next_power_of_2(num_experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -320,7 +378,11 @@ def fused_moe(
         num_experts += slots
     tiles = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
     assert tiles.up.block_m == tiles.down.block_m
-    align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
+    align: MoEAlignment | torch.Tensor
+    if num_tokens * top_k <= INLINE_ALIGN_MAX_PAIRS:
+        align = topk_ids.reshape(-1)  # each GEMM program aligns its own block
+    else:
+        align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))
     s13 = s2 = None

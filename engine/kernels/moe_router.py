@@ -94,6 +94,13 @@ def _argmax(vals, offs, BIG: tl.constexpr):
     return m, idx
 
 
+@triton.jit
+def _split_logits(l_ptrs, split, stride_s, mask, num_splits):
+    """Split `split`'s partial logits [BLOCK_T, BLOCK_E] (zeros past the last split)."""
+    in_range = (tl.zeros_like(mask.to(tl.int32)) + split) < num_splits
+    return tl.load(l_ptrs + split * stride_s, mask=mask & in_range, other=0.0)
+
+
 @triton.jit(do_not_specialize=["T", "stride_s", "num_splits"])
 def _moe_router_kernel(
     x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [num_splits, T, E], summed here
@@ -119,10 +126,19 @@ def _moe_router_kernel(
         )  # fmt: skip
     else:
         l_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_e[None, :]
+        mask_l = mask_t[:, None] & mask_e[None, :]
         logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for split in range(num_splits):  # in order: the sum does not vary by run
-            logits += tl.load(l_ptrs + split * stride_s, mask=mask_t[:, None] & mask_e[None, :],
-                              other=0.0)  # fmt: skip
+        # In split order, so the sum does not vary by run; four loads issued before the first
+        # is added (one load at a time waited on L2 for each of 16 splits: about 4 us).
+        for s0 in range(0, num_splits, 4):
+            p0 = _split_logits(l_ptrs, s0, stride_s, mask_l, num_splits)
+            p1 = _split_logits(l_ptrs, s0 + 1, stride_s, mask_l, num_splits)
+            p2 = _split_logits(l_ptrs, s0 + 2, stride_s, mask_l, num_splits)
+            p3 = _split_logits(l_ptrs, s0 + 3, stride_s, mask_l, num_splits)
+            logits += p0
+            logits += p1
+            logits += p2
+            logits += p3
     neg_inf = float("-inf")
     valid = mask_e[None, :] & (offs_t[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     if SIGMOID:

@@ -237,7 +237,7 @@ def moe_align_block_size_ref(
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     max_padded = num_pairs + num_experts * (block_m - 1)
-    max_blocks = -(-max_padded // block_m)
+    max_blocks = min(-(-max_padded // block_m), num_pairs)  # a used block holds a pair
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m

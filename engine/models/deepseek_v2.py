@@ -30,6 +30,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.custom_ops import mla_preamble
 from engine.kernels.custom_ops_fp8 import bmm_fp8
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
+from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.fp8_bmm import bmm_fp8_native, check_fp8_absorbed_weights, quantize_per_channel
 from engine.layers.linear import (
@@ -215,8 +216,16 @@ class MLAAttention(MergedWeights):
         elif self.w_kc_scale is not None:
             bmm_fp8(x, self.w_kc, self.w_kc_scale, out=dst)
         else:
-            torch.bmm(x, self.w_kc, out=dst)
+            self._bmm(x, self.w_kc, dst)
         return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
+
+    def _bmm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x [H, T, K] @ w [H, K, N] per head (the absorbed weights, eager CUDA path):
+        a decode step's few rows on the small-M kernel, else cuBLAS."""
+        if small_gemm_wanted(x, w, self.kernel):
+            small_matmul(x, w, out=out)
+        else:
+            torch.bmm(x, w, out=out)
 
     def _q_latent_native(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] @ W_UK per head -> [T, H, r] (the layer's torch path)."""
@@ -240,7 +249,7 @@ class MLAAttention(MergedWeights):
             return y.transpose(0, 1).contiguous()
         out = out_latent.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         if scale is None:
-            torch.bmm(x, w_vc_t, out=out.transpose(0, 1))
+            self._bmm(x, w_vc_t, out.transpose(0, 1))
         else:
             bmm_fp8(x, w_vc_t, scale, out=out.transpose(0, 1))
         return out

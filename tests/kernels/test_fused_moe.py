@@ -7,10 +7,14 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from engine.kernels import fused_moe as fused_moe_module
 from engine.kernels.fused_moe import (
+    INLINE_ALIGN_MAX_PAIRS,
     SharedExperts,
+    _inline_block,
     default_moe_config,
     fused_moe,
     moe_align_block_size,
@@ -144,6 +148,53 @@ def test_fused_moe_runs_the_shared_experts(
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
 
 
+@triton.jit
+def _inline_blocks_kernel(
+    ids_ptr, found_ptr, expert_ptr, rows_ptr, num_pairs,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    found, expert, rows = _inline_block(ids_ptr, num_pairs, pid, BLOCK_M, BLOCK_P, BLOCK_E)
+    tl.store(found_ptr + pid, found.to(tl.int32))
+    tl.store(expert_ptr + pid, expert.to(tl.int32))
+    tl.store(rows_ptr + pid * BLOCK_M + tl.arange(0, BLOCK_M), rows)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m",
+    [
+        (1, 8, 66, 16),  # V2-Lite's batch-1 decode: 6 routed + 2 shared slots
+        (16, 8, 66, 16),  # batch 16: 128 pairs
+        (5, 6, 8, 4),  # more pairs than an expert's block: several blocks per expert
+        (3, 2, 10, 16),  # experts not a power of two
+    ],
+)
+def test_inline_block_matches_alignment(
+    tokens: int, top_k: int, experts: int, block_m: int, device: torch.device
+) -> None:
+    """Each GEMM program's own view of its block (decode batches) is the block the alignment
+    makes: the same blocks in use, the same expert, the same pairs in the same order (by pair
+    index, as the reference's stable sort), and pads past the pairs."""
+    g = torch.Generator().manual_seed(tokens * experts + block_m)
+    probs = torch.rand(experts, generator=g) ** 4
+    ids = torch.stack([torch.multinomial(probs, top_k, generator=g) for _ in range(tokens)])
+    ids = ids.to(torch.int32).to(device)
+    ref_sorted, ref_experts, ref_num = moe_align_block_size_ref(ids, experts, block_m)
+    blocks, pairs = ref_experts.shape[0], ids.numel()
+    found = torch.empty(blocks, dtype=torch.int32, device=device)
+    expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    rows = torch.empty(blocks, block_m, dtype=torch.int32, device=device)
+    _inline_blocks_kernel[(blocks,)](
+        ids.reshape(-1), found, expert, rows, pairs, BLOCK_M=block_m,
+        BLOCK_P=max(16, triton.next_power_of_2(pairs)),
+        BLOCK_E=max(16, triton.next_power_of_2(experts)),
+    )  # fmt: skip
+    used = int(ref_num.item()) // block_m
+    assert found.tolist() == [1] * used + [0] * (blocks - used)
+    assert torch.equal(expert[:used], ref_experts[:used])
+    assert torch.equal(rows[:used].reshape(-1), ref_sorted[: used * block_m])
+
+
 def _spy_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the fused MoE's launchers, in the order `fused_moe` calls them."""
     calls: list[str] = []
@@ -207,7 +258,7 @@ def test_fused_moe_decode(
     extra = shared_output.to(device) if with_shared_output else None
     out = fused_moe(*args, shared_output=extra, shared_experts=shared)
     ref = fused_moe_ref(*args, shared_output=extra, shared_experts=shared)
-    assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
+    assert calls == ["_moe_gemm", "_moe_gemm"]  # few pairs: no alignment kernel
     assert out.shape == ref.shape and out.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -221,6 +272,8 @@ def test_fused_moe_decode(
         (1, 8, False),  # 8 pairs, as V2-Lite's batch-1 decode (6 routed + 2 shared)
         (5, 4, False),
         (1, 8, True),  # an explicit config (the tuner's way to time tiles)
+        (16, 8, False),  # 128 pairs: the most that align inside the GEMMs, 16 an expert
+        (40, 4, False),  # 160 pairs: the alignment kernel
     ],
 )
 def test_fused_moe_dispatch(
@@ -230,8 +283,9 @@ def test_fused_moe_dispatch(
     device: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every batch, with the default tiles or an explicit config, runs the alignment and the two
-    grouped GEMMs, and gives the reference's answer."""
+    """Every batch, with the default tiles or an explicit config, runs the two grouped GEMMs
+    (after the alignment kernel above INLINE_ALIGN_MAX_PAIRS pairs) and gives the reference's
+    answer."""
     calls = _spy_kernels(monkeypatch)
     g = torch.Generator().manual_seed(tokens + top_k)
     experts, hidden, inter = 8, 32, 32
@@ -242,5 +296,6 @@ def test_fused_moe_dispatch(
     args = [t.to(device) for t in (x, w13, w2, topk_w, topk_ids)]
     config = default_moe_config(tokens * top_k, experts, 4) if forced else None
     out = fused_moe(*args, config=config)
-    assert calls == ["moe_align_block_size", "_moe_gemm", "_moe_gemm"]
+    inline = tokens * top_k <= INLINE_ALIGN_MAX_PAIRS
+    assert calls == ([] if inline else ["moe_align_block_size"]) + ["_moe_gemm", "_moe_gemm"]
     torch.testing.assert_close(out, fused_moe_ref(*args), rtol=1e-4, atol=1e-4)
