@@ -31,6 +31,27 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     return host.pin_memory().to(device, non_blocking=True)
 
 
+ARGMAX_CHUNK = 1024  # first_argmax's chunk of a row
+ARGMAX_TWO_STAGE_ROWS = 16  # up to this many rows (more rows fill the GPU one block each)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of x [B, V], the same index (the first of equal maxima, NaN the
+    largest), in two stages for a few long rows: torch reduces each row with one thread block,
+    which took 22.7 us for one row of 102,400 on an H200 (a batch-1 decode step's logits). The
+    row is cut into chunks of ARGMAX_CHUNK, every chunk's max found at once, then the first
+    chunk holding the row's max and the first index of it there."""
+    rows, width = x.shape
+    if rows > ARGMAX_TWO_STAGE_ROWS or width < 4 * ARGMAX_CHUNK:
+        return torch.argmax(x, dim=-1)
+    pad = -width % ARGMAX_CHUNK
+    if pad:  # -inf pads are never the first maximum: a real column comes first
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    chunk_max, within = x.view(rows, -1, ARGMAX_CHUNK).max(dim=-1)
+    chunk = torch.argmax(chunk_max, dim=-1, keepdim=True)
+    return (chunk * ARGMAX_CHUNK + within.gather(1, chunk)).view(rows)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator for one seeded request, on the device its draws will happen on."""
     gen = torch.Generator(device=device)
@@ -246,7 +267,7 @@ class Sampler(torch.nn.Module):
             penalized.index_put_(info.suppressed, penalized.new_full((1,), float("-inf")))
 
         if info.all_greedy:
-            next_ids = torch.argmax(penalized, dim=-1)
+            next_ids = first_argmax(penalized)
         else:
             next_ids = self._sample(penalized, info)
 
@@ -257,7 +278,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        next_ids = torch.argmax(logits, dim=-1)  # greedy rows keep this
+        next_ids = first_argmax(logits)  # greedy rows keep this
         rows = host_to_device(info.sampled_rows, torch.int64, logits.device)
         probs = torch.softmax(logits[rows] / info.temperatures[rows], dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
