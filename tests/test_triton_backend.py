@@ -6,8 +6,10 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.models.deepseek_v2 import MLAAttention
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(5 + 6 * i)] for i in range(3)]
@@ -19,7 +21,7 @@ def _models(request: pytest.FixtureRequest) -> dict[str, str]:
     return {"mla": mla, "llama": request.getfixturevalue("tiny_llama")}
 
 
-@pytest.mark.parametrize("which", ["mla", "llama"])
+@pytest.mark.parametrize("which", ["mla", "llama", "mla_fused"])
 # NOTE: Triton 3.9's CPU interpreter rounds fp32 -> e4m3 wrongly at times (it can drop the carry),
 # so the FP8 store kernel is only trusted on a GPU; tests/kernels checks FP8 decode on CPU against
 # its reference over the same stored bytes.
@@ -29,15 +31,33 @@ def _models(request: pytest.FixtureRequest) -> dict[str, str]:
 def test_triton_backend_matches_torch_native(
     which: str, kv_cache_dtype: str, request: pytest.FixtureRequest
 ) -> None:
-    model = _models(request)[which]
+    model = _models(request)[which.removesuffix("_fused")]
     common = dict(dtype="float32", max_total_tokens=256, kv_cache_dtype=kv_cache_dtype)
     ref = LLM(model, attention_backend="torch_native", **common)
     tri = LLM(model, attention_backend="triton", debug_checks=True, **common)
     assert type(tri.core.runner.attn_backend).__name__ == "TritonBackend"
+    if which == "mla_fused":  # MLA's CUDA path: the preamble kernel stores the latent rows
+        layers = [m for m in tri.core.runner.model.modules() if isinstance(m, MLAAttention)]
+        assert layers
+        for m in layers:
+            m.kernel = "triton"
+    backend = tri.core.runner.attn_backend
+    store_modes: list[bool] = []  # is_decode of each store_kv call
+    store_kv = backend.store_kv
+
+    def spy(layer_id, fb, k, v):  # type: ignore[no-untyped-def]
+        store_modes.append(fb.is_decode)
+        return store_kv(layer_id, fb, k, v)
+
+    backend.store_kv = spy
     expected = ref.generate(PROMPTS, PARAMS)
     got = tri.generate(PROMPTS, PARAMS)
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
+    # MLA's fused path (forced, or "auto" on CUDA) stores decode rows from the preamble
+    # kernel, never through store_kv; prefill always stores through it.
+    fused = which == "mla_fused" or (which == "mla" and torch.cuda.is_available())
+    assert any(store_modes) != fused and not all(store_modes)
     # Decode logits of a batch with mixed context lengths, both backends, same slots.
     logits = []
     for llm in (ref, tri):

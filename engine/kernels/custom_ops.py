@@ -167,8 +167,10 @@ def mla_preamble(
     attention_scaling: float,
     interleaved: bool,
     q_pe_out: Tensor | None = None,
+    store: _mla_preamble.PoolRow | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """As `engine.kernels.mla_preamble.mla_preamble`."""
+    """As `engine.kernels.mla_preamble.mla_preamble` (`store` eagerly only: a compiled forward
+    stores through the attention backend)."""
     if not _tracing():
         return _mla_preamble.mla_preamble(
             kv_a,
@@ -180,7 +182,10 @@ def mla_preamble(
             attention_scaling,
             interleaved,
             q_pe_out,
+            store,
         )
+    assert store is None, "a traced preamble does not store into the KV pool"
+
     if q_pe_out is None:
         q_pe_out = torch.empty(q_pe.shape, dtype=q_pe.dtype, device=q_pe.device)
     latent = _mla_preamble_op(

@@ -3,7 +3,10 @@
 From kv_a_proj_with_mqa's output row [c_kv (kv_lora_rank) | k_pe (rope)] of each token it makes
 the row the latent pool stores, [kv_a_layernorm(c_kv) | RoPE(k_pe)], and rotates the query's rope
 part q_pe [H, rope] of the same token (one program per token: cos/sin computed once for both).
-The KV pool is not written here: the attention backend's `store_kv` does that.
+With `store` (a `PoolRow`: the layer's pool rows, the new tokens' slots and an FP8 pool's
+scale) the latent row also goes into the KV pool, quantized as `engine.kernels.kv_store` does,
+and the attention backend's `store_kv` (one launch a layer) is skipped; otherwise the backend
+stores it.
 
 The rotated q_pe may be written straight into the absorbed query buffer [T, H, C + R] (its last R
 columns), so that no concatenation follows. Rounding as in the torch code: see
@@ -12,14 +15,25 @@ columns), so that no concatenation follows. Rounding as in the torch code: see
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
 from engine.kernels.utils import next_power_of_2
+
+
+class PoolRow(NamedTuple):
+    """Where `mla_preamble` stores the latent rows: pool[loc[t]] (pool [num_slots, C + R])."""
+
+    pool: torch.Tensor
+    loc: torch.Tensor  # [T] slot ids
+    scale: torch.Tensor | None  # [1] fp32 for an FP8 (e4m3) pool
 
 
 @triton.jit
@@ -31,10 +45,14 @@ def _mla_preamble_kernel(
     w_ptr,  # [C] kv_a_layernorm weight
     pos_ptr,  # [T]
     inv_freq_ptr,  # [R / 2] fp32
-    stride_kv, stride_qt, stride_qh, stride_ot, stride_oh, stride_lat,
+    pool_ptr,  # [num_slots, C + R] (row stride given; STORE)
+    loc_ptr,  # [T] slot ids (STORE)
+    scale_ptr,  # [1] fp32 (STORE and IS_FP8)
+    stride_kv, stride_qt, stride_qh, stride_ot, stride_oh, stride_lat, stride_pool,
     num_heads, C, half, eps, scaling,
     INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, STORE: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_W: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     kv_row = kv_ptr + t * stride_kv
@@ -55,6 +73,19 @@ def _mla_preamble_kernel(
         q_pe_ptr + t * stride_qt, q_out_ptr + t * stride_ot, num_heads, stride_qh, stride_oh,
         cos, sin, offs_j, mask_j, half, INTERLEAVED, BLOCK_H,
     )  # fmt: skip
+    if STORE:
+        # NOTE: the row was written by all of the program's threads: read it back after a
+        # barrier, and store it as `_store_rows_kernel` would (the same rounding).
+        tl.debug_barrier()
+        offs_w = tl.arange(0, BLOCK_W)
+        mask_w = offs_w < C + 2 * half
+        row = tl.load(lat_row + offs_w, mask=mask_w, other=0.0)
+        dst = pool_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_pool + offs_w
+        if IS_FP8:
+            y = tl.clamp(row.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
+            tl.store(dst, y.to(pool_ptr.dtype.element_ty), mask=mask_w)
+        else:
+            tl.store(dst, row.to(pool_ptr.dtype.element_ty), mask=mask_w)
 
 
 def mla_preamble(
@@ -67,12 +98,14 @@ def mla_preamble(
     attention_scaling: float,
     interleaved: bool,
     q_pe_out: torch.Tensor | None = None,
+    store: PoolRow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_a [T, C + R]; q_pe [T, H, R]; norm_weight [C]; positions [T]; inv_freq [R / 2] fp32.
 
     Returns (latent [T, C + R] in kv_a's dtype, rotated q_pe [T, H, R]): the rotated q_pe goes
     into `q_pe_out` when given (any strides with a unit last one, e.g. the last R columns of the
-    absorbed query [T, H, C + R]), else into a new tensor. Rows may be strided views.
+    absorbed query [T, H, C + R]), else into a new tensor. Rows may be strided views. With
+    `store`, each latent row is also written to store.pool[store.loc[t]].
     """
     num_tokens, num_heads, rope = q_pe.shape
     width = kv_a.shape[1]
@@ -86,13 +119,24 @@ def mla_preamble(
         return latent, q_pe_out
     half = rope // 2
     block_c = next_power_of_2(kv_lora_rank)
+    is_fp8 = False
+    if store is not None:
+        assert store.pool.shape[-1] == width and store.pool.stride(-1) == 1
+        assert store.loc.shape == (num_tokens,)
+        is_fp8 = store.pool.dtype == FP8_DTYPE
+        assert not is_fp8 or store.scale is not None, "an fp8 pool needs its scale"
+    pool = store.pool if store is not None else latent
     launch(
         _mla_preamble_kernel, (num_tokens,),
         kv_a, q_pe, q_pe_out, latent, norm_weight, positions, inv_freq,
+        pool, store.loc if store is not None else positions,
+        store.scale if store is not None and store.scale is not None else inv_freq,
         kv_a.stride(0), q_pe.stride(0), q_pe.stride(1), q_pe_out.stride(0), q_pe_out.stride(1),
-        latent.stride(0), num_heads, kv_lora_rank, half, eps, float(attention_scaling),
+        latent.stride(0), pool.stride(0), num_heads, kv_lora_rank, half, eps,
+        float(attention_scaling),
         INTERLEAVED=interleaved, BLOCK_C=block_c, BLOCK_J=next_power_of_2(half),
-        BLOCK_H=max(2, min(16, next_power_of_2(num_heads))),
+        BLOCK_H=max(2, min(16, next_power_of_2(num_heads))), STORE=store is not None,
+        IS_FP8=is_fp8, BLOCK_W=next_power_of_2(width), FP8_MAX=FP8_MAX,
         num_warps=4 if block_c >= 512 else 2,
     )  # fmt: skip
     return latent, q_pe_out

@@ -194,6 +194,10 @@ class MLAAttention(MergedWeights):
         rotary, norm = self.rotary[0], self.kv_a_layernorm
         t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
         q_abs = q_nope.new_empty(t, h, r + self.qk_rope_head_dim) if absorbed else None
+        # The absorbed path's latent rows go straight into the pool (no store launch), eagerly.
+        store = None
+        if absorbed and not torch.compiler.is_compiling():
+            store = fb.attn_backend.mla_store_target(self.layer_id, fb)
         latent, q_pe = mla_preamble(
             kv_a,
             q_pe,
@@ -204,6 +208,7 @@ class MLAAttention(MergedWeights):
             rotary.attention_scaling,
             rotary.interleaved,
             q_pe_out=None if q_abs is None else q_abs[..., r:],
+            store=store,
         )
         if q_abs is None:
             return self._forward_decompressed(q_nope, q_pe, latent.unsqueeze(1), fb)
@@ -217,7 +222,9 @@ class MLAAttention(MergedWeights):
             bmm_fp8(x, self.w_kc, self.w_kc_scale, out=dst)
         else:
             self._bmm(x, self.w_kc, dst)
-        return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True)
+        return self._attend_absorbed(
+            q_abs, latent.unsqueeze(1), fb, fused=True, stored=store is not None
+        )
 
     def _bmm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         """out = x [H, T, K] @ w [H, K, N] per head (the absorbed weights, eager CUDA path):
@@ -234,11 +241,17 @@ class MLAAttention(MergedWeights):
         return _bmm_fp8_any(q_nope.transpose(0, 1), self.w_kc, self.w_kc_scale).transpose(0, 1)
 
     def _attend_absorbed(
-        self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch, fused: bool
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        fb: ForwardBatch,
+        fused: bool,
+        stored: bool = False,
     ) -> torch.Tensor:
         """q [T, H, r + rope] over the latent rows; W_UV applied to the output -> [T, H, v]
-        (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is)."""
-        out_latent = self.attn_mqa(q, latent, None, fb)  # [T, H, r]
+        (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is;
+        `stored`: the rows are in the pool already)."""
+        out_latent = self.attn_mqa(q, latent, None, fb, stored=stored)  # [T, H, r]
         x, w_vc_t, scale = out_latent.transpose(0, 1), self.w_vc.transpose(1, 2), self.w_vc_scale
         if not fused:
             if scale is None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.mla_preamble import mla_preamble
+from engine.kernels.kv_store import store_mla_kv
+from engine.kernels.mla_preamble import PoolRow, mla_preamble
 from engine.kernels.reference import mla_preamble_ref
 
 EPS = 1e-6
@@ -84,3 +85,29 @@ def test_mla_preamble_strided_kv_rows(device: torch.device) -> None:
     inv_freq = (1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))).to(device)
     args = (kv_a, q_pe, w, EPS, positions, inv_freq, 1.0, True)
     assert_preamble_close(mla_preamble(*args), mla_preamble_ref(*args), 16)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_mla_preamble_stores_into_the_pool(pool_dtype: torch.dtype, device: torch.device) -> None:
+    """With a PoolRow the latent rows land in the pool at their slots, byte for byte what the
+    store kernel writes from the returned latent (FP8: quantized by the same scale); no other
+    slot is touched."""
+    g = torch.Generator().manual_seed(11)
+    tokens, heads, rank, rope = 3, 4, 64, 16
+    kv_a = (torch.randn(tokens, rank + rope, generator=g) * 2).to(torch.bfloat16).to(device)
+    q_pe = torch.randn(tokens, heads, rope, generator=g).to(torch.bfloat16).to(device)
+    w = (1 + 0.1 * torch.randn(rank, generator=g)).to(torch.bfloat16).to(device)
+    positions = torch.tensor([5, 0, 300], device=device)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, rope, 2).float() / rope))).to(device)
+    args = (kv_a, q_pe, w, EPS, positions, inv_freq, 1.0, True)
+    loc = torch.tensor([7, 2, 12], device=device)
+    scale = torch.tensor([0.05], device=device) if pool_dtype == torch.float8_e4m3fn else None
+    fused = torch.zeros(16, 1, rank + rope, device=device).to(pool_dtype)
+    latent, q_rot = mla_preamble(*args, store=PoolRow(fused.view(16, -1), loc, scale))
+    stored = torch.zeros_like(fused)
+    store_mla_kv(stored, loc, latent, scale)
+    assert torch.equal(fused.view(torch.uint8), stored.view(torch.uint8))
+    others = torch.ones(16, dtype=torch.bool)
+    others[loc.cpu()] = False
+    assert torch.count_nonzero(fused.view(torch.uint8)[others.to(device)]) == 0
+    assert_preamble_close((latent, q_rot), mla_preamble_ref(*args), rope)

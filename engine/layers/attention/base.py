@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.kernels.mla_preamble import PoolRow
 from engine.mem_cache.kv_pool import KVPool
 
 
@@ -38,18 +39,30 @@ class AttentionLayer(nn.Module):
         self.scaling = scaling
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        fb: ForwardBatch,
+        stored: bool = False,
     ) -> torch.Tensor:
-        """Store the new tokens' k (and v) at `fb.out_cache_loc`, then attend."""
+        """Store the new tokens' k (and v) at `fb.out_cache_loc` (unless `stored`: the caller
+        wrote them, through `backend.mla_store_target`), then attend."""
         if not fb.attn_backend.traceable and torch.compiler.is_compiling():
-            return _attend_untraced(self, q, k, v, fb)
-        return self.attend(q, k, v, fb)
+            return _attend_untraced(self, q, k, v, fb, stored)
+        return self.attend(q, k, v, fb, stored)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        fb: ForwardBatch,
+        stored: bool = False,
     ) -> torch.Tensor:
         backend = fb.attn_backend
-        backend.store_kv(self.layer_id, fb, k, v)
+        if not stored:
+            backend.store_kv(self.layer_id, fb, k, v)
         if fb.is_decode:
             return backend.forward_decode(q, self, fb)
         return backend.forward_extend(q, k, v, self, fb)
@@ -62,9 +75,10 @@ def _attend_untraced(
     k: torch.Tensor,
     v: torch.Tensor | None,
     fb: ForwardBatch,
+    stored: bool,
 ) -> torch.Tensor:
     """A backend torch.compile cannot trace runs eagerly between the compiled pieces."""
-    return layer.attend(q, k, v, fb)
+    return layer.attend(q, k, v, fb, stored)
 
 
 class AttentionBackend(ABC):
@@ -73,7 +87,9 @@ class AttentionBackend(ABC):
     - `init_forward_metadata(fb)` runs once per batch before the layers and sets
       `fb.attn_metadata` to an object of the backend's own metadata type.
     - `store_kv(layer_id, fb, k, v)` writes the new tokens' KV rows at `fb.out_cache_loc`
-      (quantizing for an FP8 pool). Prefill and decode both store through it.
+      (quantizing for an FP8 pool). Prefill and decode both store through it, unless
+      `mla_store_target(layer_id, fb)` gives MLA's preamble kernel the pool rows to write
+      itself (a `PoolRow`; None, the default: the backend stores).
     - `forward_extend` / `forward_decode` attend each request's new queries to its whole
       context, read from the pool through `req_to_token` after `store_kv` (causal: query i of a
       request sees context positions <= prefix + i). Extend also gets the new tokens' k and v,
@@ -106,6 +122,9 @@ class AttentionBackend(ABC):
         self, layer_id: int, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor | None
     ) -> None:
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+
+    def mla_store_target(self, layer_id: int, fb: ForwardBatch) -> PoolRow | None:
+        return None
 
     @abstractmethod
     def forward_extend(

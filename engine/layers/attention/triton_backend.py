@@ -18,6 +18,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.kernels.custom_ops_attention import gqa_decode, mla_decode, store_kv, store_mla_kv
 from engine.kernels.extend import extend_attention, ragged_attention
+from engine.kernels.mla_preamble import PoolRow
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
 from engine.mem_cache.kv_pool import KVPool, MHATokenToKVPool, MLATokenToKVPool
@@ -82,6 +83,15 @@ class TritonBackend(AttentionBackend):
         v_scale = pool.v_scale[layer_id] if pool.is_fp8 else None
         kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
         store_kv(kb, vb, fb.out_cache_loc, k, v, scale, v_scale)
+
+    def mla_store_target(self, layer_id: int, fb: ForwardBatch) -> PoolRow | None:
+        """The latent pool's rows of this layer, for MLA's preamble kernel to store into."""
+        pool = self.kv_pool
+        if not isinstance(pool, MLATokenToKVPool):
+            return None
+        buffer = pool.kv_buffer[layer_id]
+        scale = pool.k_scale[layer_id] if pool.is_fp8 else None
+        return PoolRow(buffer.view(buffer.shape[0], -1), fb.out_cache_loc, scale)
 
     # ---- attention ----------------------------------------------------------------------------
     def forward_decode(self, q, layer, fb):
