@@ -2,11 +2,14 @@
 read row by row (each row contiguous), every load of a program issued at once.
 
 At batch 1 cuBLAS runs the dense projections of a V2-Lite layer with 64-column tiles: o_proj
-(2048 x 2048, 8.4 MB) on 32 SMs in 5.6-6.0 us (1.4 TB/s), the fused q / kv_a projection
-(3648 x 2048) in 6.2-6.5 us. Here one program takes BLOCK_N weight rows over the whole of K (up
+(2048 x 2048, 8.4 MB) on 32 SMs in 5.6-6.1 us (1.4 TB/s), the fused q / kv_a projection
+(3648 x 2048) in 6.2-6.6 us. Here one program takes BLOCK_N weight rows over the whole of K (up
 to MAX_BLOCK_K columns in one load, so nothing waits on a previous load) and reduces each row
-against the few input rows; a 2048-row output spreads over hundreds of programs.
-`perf/tune_small_gemm.py` times it against cuBLAS.
+against the few input rows; a 2048-row output spreads over a thousand programs. On an H200, one
+row, weights streamed from HBM (`perf/tune_small_gemm.py --gemv-only`): o_proj 4.22 us (1.44x
+cuBLAS), the fused q / kv_a projection 5.63 us (1.17x), the first layer's dense down
+projection (10944 -> 2048) 13.15 us (1.32x); at 4 rows it was 1.03x and 0.72x, so the engine
+sends it one row only (`gemv_wanted`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from engine.kernels.utils import cdiv, is_interpreter, next_power_of_2
 
 MAX_ROWS = 4
 MAX_BLOCK_K = 4096
+# The engine sends one-row GEMMs with weights up to this size here (bigger ones, the LM head,
+# keep cuBLAS's bandwidth).
+MAX_WEIGHT_BYTES = 64 << 20
 
 
 class GemvConfig(NamedTuple):
@@ -30,9 +36,27 @@ class GemvConfig(NamedTuple):
 
 
 def default_config(n: int, k: int) -> GemvConfig:
+    """The best of `perf/tune_small_gemm.py --gemv-only` on an H200 at one row: two weight rows
+    a program, one warp (two past MAX_BLOCK_K columns, where K is looped)."""
     if is_interpreter():
         return GemvConfig(4, 1)
-    return GemvConfig(4, 4)
+    return GemvConfig(2, 1 if k <= MAX_BLOCK_K else 2)
+
+
+def gemv_wanted(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> bool:
+    """Whether F.linear(x, weight) should run here: one row (at 4 rows it measured no faster
+    than cuBLAS, slower for the fused q / kv_a projection), one 16-bit dtype on CUDA
+    ("triton" forces it on any device and dtype, for tests; "native" never), contiguous weight
+    rows, and a weight of at most MAX_WEIGHT_BYTES (the LM head stays on cuBLAS)."""
+    if kernel == "native" or (kernel == "auto" and not x.is_cuda):
+        return False
+    if torch.compiler.is_compiling() or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if x.dtype != weight.dtype or weight.stride(-1) != 1 or x.stride(-1) != 1:
+        return False
+    if kernel == "auto" and x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES
 
 
 @triton.jit

@@ -22,6 +22,18 @@ from torch import nn
 
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec, shard_range
+from engine.kernels.gemv import gemv, gemv_wanted
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto"
+) -> torch.Tensor:
+    """F.linear, with a batch-1 decode step's one row on the GEMV kernel where cuBLAS leaves
+    SMs idle (`engine.kernels.gemv`). `kernel`: "auto", "triton" (forced, for tests) or
+    "native"."""
+    if gemv_wanted(x, weight, kernel):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class ShardedModule(nn.Module):
@@ -61,9 +73,10 @@ class ColumnParallelLinear(ShardedModule):
         self.register_parameter(
             "bias", nn.Parameter(torch.empty(self.out_features)) if bias else None
         )
+        self.kernel = "auto"  # see `linear`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernel)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         return {"weight": self.spec, "bias": self.spec}
@@ -92,12 +105,13 @@ class RowParallelLinear(ShardedModule):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features))
         self.bias: nn.Parameter | None
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        self.kernel = "auto"  # see `linear`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.parallel.enabled:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.kernel)
         # NOTE: the bias joins on rank 0 only, so the sum holds it once.
-        y = F.linear(x, self.weight, self.bias if self.parallel.rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.parallel.rank == 0 else None, self.kernel)
         return self.parallel.all_reduce(y) if self.reduce_results else y
 
     def shard_specs(self) -> dict[str, ShardSpec]:

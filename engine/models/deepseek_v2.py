@@ -36,6 +36,7 @@ from engine.layers.fp8_bmm import bmm_fp8_native, check_fp8_absorbed_weights, qu
 from engine.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
+    linear,
 )
 from engine.layers.moe import Experts, TopkRouter
 from engine.layers.norm import RMSNorm
@@ -156,7 +157,8 @@ class MLAAttention(MergedWeights):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
-        q, kv_a = self.fused_qkv_a_proj_with_mqa(x).split(
+        fused = self.fused_qkv_a_proj_with_mqa
+        q, kv_a = linear(x, fused.weight, fused.bias, self.kernel).split(
             [self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
         )
         if self.q_lora_rank is not None:
