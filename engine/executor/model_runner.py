@@ -37,6 +37,7 @@ from engine.layers.sampler import (
     Sampler,
     SamplingBatchInfo,
     argmax_suffices,
+    first_argmax,
     host_to_device,
     make_generator,
 )
@@ -449,7 +450,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> SampleOutput:
         if all(argmax_suffices(r.params, r.suppressed_ids) for r in requests):
-            return SampleOutput(torch.argmax(logits, dim=-1), None)
+            return SampleOutput(first_argmax(logits), None)
         generators: list[torch.Generator | None] = []
         for r in requests:
             gen = self._generators.get(r.rid)
