@@ -7,7 +7,7 @@ Each GEMM program takes one BLOCK_M block, which belongs to exactly one expert, 
 slice of the output.
 
 Decode runs the same grouped GEMMs, with narrow tiles (`default_moe_config`). Up to
-INLINE_ALIGN_MAX_PAIRS pairs (a decode step of up to 16 tokens at V2-Lite's 6 + 2 experts) there
+INLINE_ALIGN_MAX_PAIRS pairs (a decode step of up to 4 tokens at V2-Lite's 6 + 2 experts) there
 is no alignment kernel: each GEMM program works out its own block's expert and rows from the
 [T, k] ids, which a decode step's few pairs make cheap (one launch less per layer). A GEMV path for
 decode (one program per (token, expert) pair, no alignment) was tried and removed: on an H200 it
@@ -32,8 +32,10 @@ class MoEAlignment(NamedTuple):
     num_padded: torch.Tensor  # [1] int32: used length of sorted_ids
 
 
-# Up to this many (token, expert) pairs each GEMM program aligns its own block (see above).
-INLINE_ALIGN_MAX_PAIRS = 128
+# Up to this many (token, expert) pairs each GEMM program aligns its own block (see above):
+# 32 pairs is a batch of 4 at V2-Lite's 6 + 2 experts. Measured on the H200 at one token (8
+# pairs); larger batches keep the alignment kernel until the in-program form is timed there.
+INLINE_ALIGN_MAX_PAIRS = 32
 
 
 class MoEConfig(NamedTuple):
@@ -164,12 +166,12 @@ def _inline_block(topk_ids_ptr, num_pairs, pid_m, BLOCK_M: tl.constexpr, BLOCK_P
     expert = tl.sum((block_end <= pid_m).to(tl.int32), 0)  # experts wholly before pid_m
     offs_e = tl.arange(0, BLOCK_E)
     first = tl.sum(tl.where(offs_e == expert, block_end - blocks, 0), 0)
-    # rank[p]: earlier pairs of p's expert
-    earlier = (pair_e[:, None] == pair_e[None, :]) & (offs_p[None, :] < offs_p[:, None])
-    rank = tl.sum((earlier & mask_p[None, :]).to(tl.int32), 1)
-    place = rank - (pid_m - first) * BLOCK_M  # the row of this block each pair would take
+    mine = (pair_e == expert) & mask_p
+    # The row of this block each of the expert's pairs takes: its rank among them, less the
+    # rows of the expert's earlier blocks.
+    place = tl.cumsum(mine.to(tl.int32), 0) - 1 - (pid_m - first) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
-    hit = ((pair_e == expert) & mask_p)[None, :] & (place[None, :] == offs_m[:, None])
+    hit = mine[None, :] & (place[None, :] == offs_m[:, None])
     ids = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
     ids = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, ids, num_pairs)
     return pid_m < tl.sum(blocks, 0), expert.to(tl.int64), ids

@@ -164,7 +164,7 @@ def _inline_blocks_kernel(
     "tokens,top_k,experts,block_m",
     [
         (1, 8, 66, 16),  # V2-Lite's batch-1 decode: 6 routed + 2 shared slots
-        (16, 8, 66, 16),  # batch 16: 128 pairs
+        (16, 8, 66, 16),  # batch 16: 128 pairs (the kernel's block form holds past the limit)
         (5, 6, 8, 4),  # more pairs than an expert's block: several blocks per expert
         (3, 2, 10, 16),  # experts not a power of two
     ],
@@ -272,7 +272,8 @@ def test_fused_moe_decode(
         (1, 8, False),  # 8 pairs, as V2-Lite's batch-1 decode (6 routed + 2 shared)
         (5, 4, False),
         (1, 8, True),  # an explicit config (the tuner's way to time tiles)
-        (16, 8, False),  # 128 pairs: the most that align inside the GEMMs, 16 an expert
+        (4, 8, False),  # 32 pairs: the most that align inside the GEMMs, 4 an expert
+        (16, 8, False),  # 128 pairs, 16 an expert: the alignment kernel
         (40, 4, False),  # 160 pairs: the alignment kernel
     ],
 )
