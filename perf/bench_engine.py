@@ -41,6 +41,7 @@ row, and causal attention (QK and PV over every (query, key) pair of each head).
     python3 perf/bench_engine.py --quick --ns 1,16                        # a shorter one
     python3 perf/bench_engine.py --kv bf16 --ns 1,64 --skip-compile --profile-ns "" \
         --fp8-absorb-compare                                              # FP8 absorbed weights
+    python3 perf/bench_engine.py --kv fp8,bf16 --isolate ...              # a process per dtype
     .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
 
 On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would end
@@ -739,7 +740,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
     }
     compile_layers = [] if args.skip_compile else [x for x in args.compile_layers.split(",") if x]
-    tasks = 1 + len(compile_layers) + int(args.overlap_compare) + sum(per_engine.values())
+    tasks = int(not args.skip_eager) + len(compile_layers) + int(args.overlap_compare)
+    tasks += sum(per_engine.values())
     tasks += int(args.fp8_absorb_compare)
     bar = tqdm(total=tasks, desc="bench_engine", unit="task")
 
@@ -768,12 +770,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save()
 
     # Eager first: it also compiles the Triton kernels that the graph captures then reuse.
-    eager = result["batch1"]["eager_bf16"] = task(
-        "eager batch 1",
-        lambda: bench.batch1_engine(args.profile_eager, enable_cuda_graph=False),
-    )
-    if eager and "profile" in eager:
-        result["profile"]["eager_b1"] = eager.pop("profile")
+    if not args.skip_eager:
+        eager = result["batch1"]["eager_bf16"] = task(
+            "eager batch 1",
+            lambda: bench.batch1_engine(args.profile_eager, enable_cuda_graph=False),
+        )
+        if eager and "profile" in eager:
+            result["profile"]["eager_b1"] = eager.pop("profile")
     if args.overlap_compare:  # the default engine's batch 1 with the overlap schedule flipped
         main_on = OVERLAP[args.overlap]
         flipped = not (device.type == "cuda" if main_on is None else main_on)
@@ -1023,6 +1026,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-context-len", type=int, default=None, help="default: the model's")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up run before each N")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true", help="no eager batch-1 engine")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="each KV dtype's engines in a process of their own, in --kv order (see run_isolated)",
+    )
     ap.add_argument(
         "--compile-layers",
         default="native",
@@ -1067,10 +1076,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+# Flags a child of run_isolated keeps only where they belong: the eager and overlap engines and
+# the profile in the first child, the compile and FP8-weight engines in the last.
+_FIRST_ONLY = ("--overlap-compare", "--profile-eager")
+_LAST_ONLY = ("--fp8-absorb-compare",)
+
+
+def run_isolated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """`--isolate`: one child process of this script per KV dtype, in `--kv` order, merged into
+    one result. In one process, the host time per step of a later engine ran 1.2-2x that of an
+    earlier one on the H200 (perf/RESULTS.md, runs N and Q), which made the second KV dtype
+    look slower; a process of its own gives each the same start. The first child writes the
+    checkpoint and runs the eager engine; the last runs the compile and FP8-weight engines
+    (its compile ratio is taken against the merged graphs figures). Each child gets an equal
+    share of what is left of `--time-budget`."""
+    kvs = [k for k in dict.fromkeys(args.kv.split(",")) if k in KV_DTYPES]
+    t0 = time.perf_counter()
+    merged: dict[str, Any] = {}
+    children: list[dict[str, Any]] = []
+    for i, kv in enumerate(kvs):
+        child = [a for a in argv if a != "--isolate"]
+        if i > 0:
+            child = [a for a in child if a not in _FIRST_ONLY] + ["--skip-eager"]
+        if i < len(kvs) - 1:
+            child = [a for a in child if a not in _LAST_ONLY] + ["--skip-compile"]
+        out = Path(args.json or "bench_engine.json").with_suffix(f".{kv}.json")
+        budget = (args.time_budget - (time.perf_counter() - t0)) / (len(kvs) - i)
+        child += ["--kv", kv, "--json", str(out), "--time-budget", f"{max(budget, 1.0):.0f}"]
+        say(f"isolated: the {kv} engines in a process of their own")
+        start = time.perf_counter()
+        code = subprocess.run([sys.executable, str(Path(__file__).resolve()), *child]).returncode
+        res = json.loads(out.read_text()) if out.is_file() else {}
+        children.append(dict(kv=kv, returncode=code, seconds=time.perf_counter() - start,
+                             copy_bandwidth_Bps=res.get("copy_bandwidth_Bps")))  # fmt: skip
+        if not merged:
+            merged = res
+            continue
+        for key in ("kv_tokens", "batch1", "profile", "errors", "task_s", "compile"):
+            merged.setdefault(key, {}).update(res.get(key, {}))
+        for key in ("runs", "skipped"):
+            merged.setdefault(key, []).extend(res.get(key, []))
+        if "fp8_absorb" in res:
+            merged["fp8_absorb"] = res["fp8_absorb"]
+    for c in merged.get("compile", {}).values():
+        if c and "batch1" in c:
+            c["vs_graphs"] = compile_speedups(merged, c)
+    merged["isolated"] = children
+    merged["total_s"] = time.perf_counter() - t0
+    if args.json:
+        Path(args.json).write_text(json.dumps(merged, indent=2, default=str))
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.isolate:
+        res = run_isolated(args, argv)
+        if "copy_bandwidth_Bps" not in res:  # the first child wrote no result
+            print(f"isolated run failed: {res.get('isolated')}", file=sys.stderr)
+            return 1
+        print(report(res), flush=True)
+        return 0
     threads = args.threads or (1 if args.tiny else None)
     if threads:  # tiny tensors: more threads only wait on each other on a busy machine
         torch.set_num_threads(threads)

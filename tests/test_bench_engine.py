@@ -105,3 +105,32 @@ def test_decode_ceiling_of_v2_lite() -> None:
     # 16 requests at ~640 tokens of context: the 5.9 ms step of the issue's table.
     step_ms = shape.decode_bytes(16, 16 * 640, 2, 2) / 4.27e12 * 1e3
     assert 5.8 < step_ms < 6.1
+
+
+@pytest.mark.skipif(
+    not (REPO / "models/smollm2-135m-instruct/tokenizer.json").is_file(),
+    reason="needs the default model's tokenizer",
+)
+def test_tiny_cpu_run_isolated(tmp_path: Path) -> None:
+    """--isolate: each KV dtype in a child process, in --kv order, merged into one result; the
+    eager engine in the first child, the compile engine in the last (its ratio against the
+    first child's graphs figures)."""
+    bench = _load("bench_engine")
+    out = tmp_path / "result.json"
+    argv = ["--tiny", "--layers", "2", "--device", "cpu", "--ns", "1", "--kv", "bf16,fp8"]
+    argv += ["--max-tokens", "4", "--b1-tokens", "4", "--profile-ns", ""]
+    argv += ["--out", str(tmp_path / "ckpt"), "--json", str(out), "--isolate"]
+    argv += ["--compile-ns", "1", "--compile-backend", "aot_eager"]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert [c["kv"] for c in res["isolated"]] == ["bf16", "fp8"]
+    assert all(c["returncode"] == 0 and c["copy_bandwidth_Bps"] > 0 for c in res["isolated"])
+    assert [(r["kv"], r["n"]) for r in res["runs"]] == [("bf16", 1), ("fp8", 1)]
+    assert set(res["kv_tokens"]) == {"bf16", "fp8"}
+    assert {"eager_bf16", "default_bf16", "default_fp8", "compile_native_bf16"} == set(
+        res["batch1"]
+    )
+    compiled = res["compile"]["native"]
+    assert set(compiled["vs_graphs"]) == {"batch1", "n1_decode"}
+    assert all(v > 0 for v in compiled["vs_graphs"].values())
+    assert (tmp_path / "result.bf16.json").is_file() and (tmp_path / "result.fp8.json").is_file()
