@@ -1104,11 +1104,14 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         budget = (args.time_budget - (time.perf_counter() - t0)) / (len(kvs) - i)
         child += ["--kv", kv, "--json", str(out), "--time-budget", f"{max(budget, 1.0):.0f}"]
         say(f"isolated: the {kv} engines in a process of their own")
+        out.unlink(missing_ok=True)  # a file of an earlier run is no result of this one
         start = time.perf_counter()
         code = subprocess.run([sys.executable, str(Path(__file__).resolve()), *child]).returncode
-        res = json.loads(out.read_text()) if out.is_file() else {}
+        res = json.loads(out.read_text()) if out.is_file() and code == 0 else {}
         children.append(dict(kv=kv, returncode=code, seconds=time.perf_counter() - start,
                              copy_bandwidth_Bps=res.get("copy_bandwidth_Bps")))  # fmt: skip
+        if not res:
+            continue
         if not merged:
             merged = res
             continue
@@ -1135,10 +1138,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.isolate:
         res = run_isolated(args, argv)
-        if "copy_bandwidth_Bps" not in res:  # the first child wrote no result
-            print(f"isolated run failed: {res.get('isolated')}", file=sys.stderr)
+        failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]
+        if "copy_bandwidth_Bps" in res:
+            print(report(res), flush=True)
+        if failed or "copy_bandwidth_Bps" not in res:
+            print(f"isolated run failed: {failed or res.get('isolated')}", file=sys.stderr)
             return 1
-        print(report(res), flush=True)
         return 0
     threads = args.threads or (1 if args.tiny else None)
     if threads:  # tiny tensors: more threads only wait on each other on a busy machine

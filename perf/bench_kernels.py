@@ -482,7 +482,13 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
     """Sweep the fused MoE's tiles per GEMM (gate/up, down) on V2-Lite's shape with its two
     shared-expert slots, as the engine runs it; print the best per token count with its share
     of the weight-bytes bound (decode) and its TFLOP/s (prefill)."""
-    from engine.kernels.fused_moe import MoEConfig, SharedExperts, _moe_gemm, moe_align_block_size
+    from engine.kernels.fused_moe import (
+        INLINE_ALIGN_MAX_PAIRS,
+        MoEConfig,
+        SharedExperts,
+        _moe_gemm,
+        moe_align_block_size,
+    )
     from engine.layers.moe import append_shared_experts
 
     e, k, h, i, slots = 64, 6, 2048, 1408, 2
@@ -508,7 +514,12 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
             bound = touched * mats * i * h * 2 / (copy_gbs * 1e9)
             results = []
             for bm in block_ms:
-                align = moe_align_block_size(ids, e + slots, bm)
+                # As the engine runs it: few pairs align inside the GEMM programs.
+                align = (
+                    ids.reshape(-1)
+                    if t * (k + slots) <= INLINE_ALIGN_MAX_PAIRS
+                    else moe_align_block_size(ids, e + slots, bm)
+                )
                 act = x.new_empty((t * (k + slots), i))
                 out = x.new_empty((t * (k + slots), h))
                 for bn, bk, warps, stages in _moe_tune_grid(bm):

@@ -55,7 +55,7 @@ def test_greedy_is_exact_argmax() -> None:
 def test_first_argmax_is_argmax(width: int, dtype: torch.dtype, device: str) -> None:
     """The two-stage argmax of a few long rows gives torch.argmax's index: ties across and
     within chunks (the first wins), NaN (the largest), an all -inf row, a width that is no
-    multiple of the chunk; more rows go to torch.argmax itself."""
+    multiple of the chunk, the most rows it takes, and no rows."""
     g = torch.Generator().manual_seed(width)
     x = torch.randn(7, width, generator=g).to(dtype)
     top = float(x.float().max()) + 1.0
@@ -69,8 +69,12 @@ def test_first_argmax_is_argmax(width: int, dtype: torch.dtype, device: str) -> 
     want = torch.argmax(x, dim=-1)
     assert torch.equal(first_argmax(x), want)
     assert want[1] == ARGMAX_CHUNK + 9 and want[2] == 17 and want[4] == 0
-    many = torch.randn(ARGMAX_TWO_STAGE_ROWS + 1, width, generator=g).to(dtype).to(device)
-    assert torch.equal(first_argmax(many), torch.argmax(many, dim=-1))
+    most = torch.randn(ARGMAX_TWO_STAGE_ROWS, width, generator=g).to(dtype).to(device)
+    peak = float(most.float().max()) + 1.0
+    most[:, ARGMAX_CHUNK + 3] = most[:, 3 * ARGMAX_CHUNK] = peak  # each row ties across chunks
+    assert torch.equal(first_argmax(most), torch.argmax(most, dim=-1))
+    assert first_argmax(most).eq(ARGMAX_CHUNK + 3).all()
+    assert first_argmax(most[:0]).shape == (0,)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

@@ -54,10 +54,9 @@ def test_triton_backend_matches_torch_native(
     got = tri.generate(PROMPTS, PARAMS)
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
-    # MLA's fused path stores decode rows from the preamble kernel, never through store_kv;
-    # prefill always stores through it. (On CUDA, decode steps replay graphs captured before
-    # the spy: only the CPU run sees their calls.)
-    assert not all(store_modes)
+    # MLA's fused path stores decode rows from the preamble kernel, never through store_kv.
+    # (On CUDA, decode steps replay graphs captured before the spy: only the CPU run sees
+    # their calls.)
     if not torch.cuda.is_available():
         assert any(store_modes) == (which != "mla_fused")
     # Decode logits of a batch with mixed context lengths, both backends, same slots.

@@ -298,7 +298,9 @@ def _moe_gemm(
         *s_args[1:],
         A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
         INLINE_ALIGN=not isinstance(align, MoEAlignment),
-        BLOCK_P=max(16, next_power_of_2(num_pairs)),
+        # One variant for every batch that aligns in-program (a size that followed the batch
+        # would be built at the first decode of each size when no graph captured it).
+        BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS),
         BLOCK_E=max(16, next_power_of_2(num_experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

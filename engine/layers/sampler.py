@@ -42,7 +42,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     row is cut into chunks of ARGMAX_CHUNK, every chunk's max found at once, then the first
     chunk holding the row's max and the first index of it there."""
     rows, width = x.shape
-    if rows > ARGMAX_TWO_STAGE_ROWS or width < 4 * ARGMAX_CHUNK:
+    if rows == 0 or rows > ARGMAX_TWO_STAGE_ROWS or width < 4 * ARGMAX_CHUNK:
         return torch.argmax(x, dim=-1)
     pad = -width % ARGMAX_CHUNK
     if pad:  # -inf pads are never the first maximum: a real column comes first
