@@ -17,6 +17,17 @@ from engine.kernels.utils import cdiv, next_power_of_2
 
 
 @triton.jit
+def store_row(dst, x, mask, scale_ptr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Write one row x to dst in the pool's dtype: for an FP8 pool clamp(x / scale) as e4m3
+    (what `engine.kernels.fp8.quantize_fp8` computes)."""
+    if IS_FP8:
+        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
+        tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_rows_kernel(
     src_ptr,  # [T, D] (row stride given, contiguous within a row)
     dst_ptr,  # [num_slots, D] (row stride given)
@@ -35,11 +46,7 @@ def _store_rows_kernel(
     offs = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(src_ptr + t.to(tl.int64) * stride_src + offs, mask=mask, other=0.0)
-    if IS_FP8:
-        y = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
-        tl.store(dst_ptr + slot * stride_dst + offs, y.to(dst_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(dst_ptr + slot * stride_dst + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    store_row(dst_ptr + slot * stride_dst + offs, x, mask, scale_ptr, IS_FP8, FP8_MAX)
 
 
 def _store_rows(

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from engine.kernels.kv_store import store_row
 from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
@@ -75,17 +76,13 @@ def _mla_preamble_kernel(
     )  # fmt: skip
     if STORE:
         # NOTE: the row was written by all of the program's threads: read it back after a
-        # barrier, and store it as `_store_rows_kernel` would (the same rounding).
+        # barrier, and store it as `_store_rows_kernel` does (the same rounding).
         tl.debug_barrier()
         offs_w = tl.arange(0, BLOCK_W)
         mask_w = offs_w < C + 2 * half
         row = tl.load(lat_row + offs_w, mask=mask_w, other=0.0)
         dst = pool_ptr + tl.load(loc_ptr + t).to(tl.int64) * stride_pool + offs_w
-        if IS_FP8:
-            y = tl.clamp(row.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
-            tl.store(dst, y.to(pool_ptr.dtype.element_ty), mask=mask_w)
-        else:
-            tl.store(dst, row.to(pool_ptr.dtype.element_ty), mask=mask_w)
+        store_row(dst, row, mask_w, scale_ptr, IS_FP8, FP8_MAX)
 
 
 def mla_preamble(
