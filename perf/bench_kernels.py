@@ -484,6 +484,7 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
     of the weight-bytes bound (decode) and its TFLOP/s (prefill)."""
     from engine.kernels.fused_moe import (
         INLINE_ALIGN_MAX_PAIRS,
+        InlineAlignment,
         MoEConfig,
         SharedExperts,
         _moe_gemm,
@@ -516,7 +517,7 @@ def tune_moe(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any]
             for bm in block_ms:
                 # As the engine runs it: few pairs align inside the GEMM programs.
                 align = (
-                    ids.reshape(-1)
+                    InlineAlignment(ids.reshape(-1), e + slots)
                     if t * (k + slots) <= INLINE_ALIGN_MAX_PAIRS
                     else moe_align_block_size(ids, e + slots, bm)
                 )

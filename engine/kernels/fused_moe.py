@@ -32,6 +32,13 @@ class MoEAlignment(NamedTuple):
     num_padded: torch.Tensor  # [1] int32: used length of sorted_ids
 
 
+class InlineAlignment(NamedTuple):
+    """No alignment tables: each GEMM program aligns its own block from the pairs' experts."""
+
+    topk_ids: torch.Tensor  # [T * top_k]: the expert of each (token, k) pair
+    num_experts: int  # routed experts plus shared slots
+
+
 # Up to this many (token, expert) pairs each GEMM program aligns its own block (see above):
 # 32 pairs is a batch of 4 at V2-Lite's 6 + 2 experts. Measured on the H200 at one token (8
 # pairs); larger batches keep the alignment kernel until the in-program form is timed there.
@@ -263,7 +270,7 @@ def _moe_gemm(
     b: torch.Tensor,
     c: torch.Tensor,
     topk_weights: torch.Tensor,
-    align: MoEAlignment | torch.Tensor,
+    align: MoEAlignment | InlineAlignment,
     top_k: int,
     n: int,
     a_div_topk: bool,
@@ -282,26 +289,24 @@ def _moe_gemm(
     else:  # down [N, S]: slot j is columns j * K.., rows S apart
         s_args = (shared, num_routed, k, shared.stride(0), 0)
     num_pairs = topk_weights.shape[0]
-    num_experts = num_routed
-    if shared is not None:  # its slots are experts num_routed.. (gate_up [2 * S, K], down [N, S])
-        num_experts += shared.shape[0] // (2 * n) if gated else shared.shape[1] // k
-    if isinstance(align, MoEAlignment):
-        blocks, tables = align.expert_ids.shape[0], align
-    else:  # the pairs' expert ids [T * top_k]: each program aligns its own block
-        blocks = max_align_blocks(num_pairs, num_experts, cfg.block_m)
-        tables = MoEAlignment(align, align, align)
+    if isinstance(align, InlineAlignment):
+        blocks = max_align_blocks(num_pairs, align.num_experts, cfg.block_m)
+        tables = (align.topk_ids,) * 3  # the kernel reads the pairs' experts from the first
+        block_e = max(16, next_power_of_2(align.num_experts))
+    else:
+        blocks, block_e = align.expert_ids.shape[0], 16
+        tables = (align.sorted_ids, align.expert_ids, align.num_padded)
     grid = (blocks, cdiv(n, cfg.block_n))
     launch(
         _moe_gemm_kernel, grid,
-        a, b, s_args[0], c, topk_weights, tables.sorted_ids, tables.expert_ids, tables.num_padded,
+        a, b, s_args[0], c, topk_weights, *tables,
         n, k, num_pairs, top_k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         *s_args[1:],
         A_DIV_TOPK=a_div_topk, GATED=gated, MUL_WEIGHT=mul_weight, HAS_SHARED=shared is not None,
-        INLINE_ALIGN=not isinstance(align, MoEAlignment),
+        INLINE_ALIGN=isinstance(align, InlineAlignment),
         # One variant for every batch that aligns in-program (a size that followed the batch
         # would be built at the first decode of each size when no graph captured it).
-        BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS),
-        BLOCK_E=max(16, next_power_of_2(num_experts)),
+        BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS), BLOCK_E=block_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -382,9 +387,9 @@ def fused_moe(
         num_experts += slots
     tiles = config or default_moe_config(num_tokens * top_k, num_experts, w13.element_size())
     assert tiles.up.block_m == tiles.down.block_m
-    align: MoEAlignment | torch.Tensor
+    align: MoEAlignment | InlineAlignment
     if num_tokens * top_k <= INLINE_ALIGN_MAX_PAIRS:
-        align = topk_ids.reshape(-1)  # each GEMM program aligns its own block
+        align = InlineAlignment(topk_ids.reshape(-1), num_experts)
     else:
         align = moe_align_block_size(topk_ids, num_experts, tiles.up.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
