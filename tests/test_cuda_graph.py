@@ -251,3 +251,40 @@ def test_v2lite_batch1_kernels_match_torch_path(
     assert (got - ref).abs().max().item() <= 0.03 * scale
     cos = torch.nn.functional.cosine_similarity(got.flatten(1), ref.flatten(1), dim=-1)
     assert cos.min().item() >= 0.999, cos
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_v2lite_pdl_launches_match_plain_launches(
+    v2lite_two_layers: str, kv_cache_dtype: str
+) -> None:
+    """Programmatic dependent launch only lets a kernel start early; a kernel that read or
+    wrote too soon would show as logits that differ from plain launches (bitwise: the same
+    kernels run). Batch 1 and 5, from CUDA graphs, teacher-forced on the real shape."""
+    import random
+
+    from engine.kernels import launch as launch_mod
+
+    if not launch_mod.pdl_active(0):
+        pytest.skip("no PDL on this GPU or Triton")
+    rng = random.Random(2)
+    wanted = launch_mod._PDL_WANTED
+    common = dict(
+        dtype="bfloat16", max_total_tokens=8192, kv_cache_dtype=kv_cache_dtype,
+        enable_cuda_graph=True, cuda_graph_max_bs=8,
+    )  # fmt: skip
+    for n in (1, 5):
+        prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(20, 400))]]
+        prompts += [[rng.randrange(100, 40000) for _ in range(50 * i + 3)] for i in range(n - 1)]
+        forced = [[rng.randrange(100, 40000) for _ in range(10)] for _ in prompts]
+        got = {}
+        for pdl in (False, True):
+            launch_mod.set_pdl(pdl)
+            try:
+                llm = LLM(v2lite_two_layers, **common)
+                got[pdl] = _teacher_forced_logits(llm, prompts, forced)
+                assert llm.core.runner.graph_runner.replays == len(forced[0])
+                del llm
+            finally:
+                launch_mod.set_pdl(wanted)
+        assert torch.equal(got[True], got[False]), (got[True] - got[False]).abs().max()

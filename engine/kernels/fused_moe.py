@@ -23,7 +23,16 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, is_interpreter, next_power_of_2
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    cdiv,
+    dot,
+    is_interpreter,
+    line_elements,
+    next_power_of_2,
+    pdl_wait,
+    prefetch_rows_l2,
+)
 
 
 class MoEAlignment(NamedTuple):
@@ -201,29 +210,28 @@ def _moe_gemm_kernel(
     HAS_SHARED: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    EARLY_IDS: tl.constexpr = False, LINE: tl.constexpr = 64, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """EARLY_IDS: the pair ids and alignment were written two or more launches back (the down
+    GEMM: router, gate/up, down), so under PDL the block's expert is known before the wait and
+    its weight rows are prefetched into L2 while the gate/up GEMM finishes."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if not EARLY_IDS:
+        pdl_wait(USE_PDL)
     if INLINE_ALIGN:
         found, expert, ids = _inline_block(
             sorted_ids_ptr, num_pairs, pid_m, BLOCK_M, BLOCK_P, BLOCK_E
         )
-        if not found:
-            return
     else:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return
-        ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    valid = ids < num_pairs
-    if A_DIV_TOPK:
-        a_rows = ids // top_k
-    else:
-        a_rows = ids
+        num_padded = tl.load(num_padded_ptr)  # a multiple of BLOCK_M
+        found = pid_m * BLOCK_M < num_padded
+        # (an unused block's places may lie past the table: not read)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m, mask=offs_m < num_padded, other=num_pairs)
+        expert = tl.load(expert_ids_ptr + pid_m, mask=found, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     # The expert's weight [N (gate, then up at `up` when GATED), K], rows `bn` apart.
     b_base = b_ptr + expert * stride_be
     bn = tl.cast(stride_bn, tl.int64)
@@ -233,6 +241,23 @@ def _moe_gemm_kernel(
             b_base = s_ptr + (expert - num_routed) * s_stride_be
             bn = tl.cast(s_stride_bn, tl.int64)
             up = tl.cast(s_up, tl.int64)
+    if EARLY_IDS:
+        if USE_PDL:
+            if found:
+                rows = b_base + offs_n.to(tl.int64) * bn
+                prefetch_rows_l2(rows, mask_n, K, LINE, 32)
+                if GATED:
+                    prefetch_rows_l2(rows + up, mask_n, K, LINE, 32)
+        pdl_wait(USE_PDL)
+    if not found:
+        return
+    valid = ids < num_pairs
+    if A_DIV_TOPK:
+        a_rows = ids // top_k
+    else:
+        a_rows = ids
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * bn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -278,7 +303,10 @@ def _moe_gemm(
     mul_weight: bool,
     cfg: MoEConfig,
     shared: torch.Tensor | None,
+    early_ids: bool = False,
 ) -> None:
+    """One grouped GEMM; `early_ids`: the alignment was written two or more launches before
+    this one (see _moe_gemm_kernel's EARLY_IDS)."""
     k = a.shape[1]
     num_routed = b.shape[0]
     if shared is None:
@@ -308,7 +336,8 @@ def _moe_gemm(
         # would be built at the first decode of each size when no graph captured it).
         BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS), BLOCK_E=block_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EARLY_IDS=early_ids, LINE=line_elements(b), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, pdl=True,
     )  # fmt: skip
 
 
@@ -319,10 +348,12 @@ def _moe_sum_kernel(
     out_ptr,  # [T, H]
     H, stride_shared,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         acc += tl.load(down_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0).to(tl.float32)
@@ -345,7 +376,7 @@ def _moe_sum(down: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Te
         down, shared_output if shared_output is not None else out, out, hidden_size,
         shared_output.stride(0) if shared_output is not None else 0,
         TOP_K=top_k, HAS_SHARED=shared_output is not None, BLOCK_H=block_h,
-        num_warps=4 if block_h >= 512 else 1,
+        num_warps=4 if block_h >= 512 else 1, pdl=True,
     )  # fmt: skip
     return out
 
@@ -399,7 +430,9 @@ def fused_moe(
         s13, s2 = shared_experts
     _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up, s13)
     down_out = hidden.new_empty((num_tokens * top_k, hidden_size))
+    # The down GEMM's pair tables come from the router (or the alignment), two launches back.
     _moe_gemm(
-        act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, tiles.down, s2
-    )
+        act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, tiles.down,
+        s2, early_ids=True,
+    )  # fmt: skip
     return _moe_sum(down_out.view(num_tokens, top_k, hidden_size), shared_output)

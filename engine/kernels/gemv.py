@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import cdiv, is_interpreter, next_power_of_2
+from engine.kernels.utils import cdiv, is_interpreter, next_power_of_2, pdl_wait
 
 MAX_ROWS = 4
 MAX_BLOCK_K = 4096
@@ -60,6 +60,17 @@ def gemv_wanted(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> 
 
 
 @triton.jit
+def _gemv_tile(acc, w, x_ptr, k0, offs_k, mask_k, offs_r, stride_xm, ROWS: tl.constexpr):
+    """acc [BLOCK_R, BLOCK_N] += the ROWS input rows' columns k0.. against the weight tile w."""
+    w = w.to(tl.float32)
+    for r in tl.static_range(ROWS):
+        x = tl.load(x_ptr + r * stride_xm + k0 + offs_k, mask=mask_k, other=0.0)
+        part = tl.sum(w * x.to(tl.float32)[None, :], 1)  # [BLOCK_N]
+        acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K] (row stride given)
     w_ptr,  # [N, K] (row stride given)
@@ -67,23 +78,26 @@ def _gemv_kernel(
     y_ptr,  # [M, N] (row stride given)
     N, K, stride_xm, stride_wn, stride_ym,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program n: y[:, n-slice], each weight row's dot with each of the ROWS input rows."""
+    """Program n: y[:, n-slice], each weight row's dot with each of the ROWS input rows. The
+    first weight tile (all of K up to BLOCK_K) is loaded before the PDL wait, while the kernel
+    before this one still runs."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    mask_k = offs_k < K
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            x = tl.load(x_ptr + r * stride_xm + k0 + offs_k, mask=mask_k, other=0.0)
-            part = tl.sum(w * x.to(tl.float32)[None, :], 1)  # [BLOCK_N]
-            acc = tl.where(offs_r[:, None] == r, acc + part[None, :], acc)
+    acc = _gemv_tile(acc, w, x_ptr, 0, offs_k, mask_k, offs_r, stride_xm, ROWS)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        mask_k = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc = _gemv_tile(acc, w, x_ptr, k0, offs_k, mask_k, offs_r, stride_xm, ROWS)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]
@@ -115,6 +129,6 @@ def gemv(
         weight.stride(0), out.stride(0),
         ROWS=m, HAS_BIAS=bias is not None, BLOCK_R=max(2, next_power_of_2(m)),
         BLOCK_N=cfg.block_n, BLOCK_K=min(MAX_BLOCK_K, max(16, next_power_of_2(k))),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, pdl=True,
     )  # fmt: skip
     return out

@@ -31,10 +31,22 @@ run on the H200 showed prefill steps of 0.4-3 s on the first batches of a size).
 specialized on 16-byte alignment, so the step's packed inputs keep every field aligned
 (model_runner.pack_int64), and a count that follows the batch is a runtime loop bound rather
 than a constexpr (the router's split count).
+
+Programmatic dependent launch (PDL, Hopper and later): a batch-1 decode step is about 15 small
+kernels a layer, each waiting for the one before it to finish, start its programs and reach
+DRAM. `launch(..., pdl=True)` starts such a kernel (one with a `USE_PDL` constexpr) while its
+predecessor still runs. The contract every such kernel keeps (`engine.kernels.utils.pdl_wait`):
+- before `pdl_wait` it reads only what no launch of the last two wrote (its weights, the step's
+  inputs, the outputs of kernels two or more launches back) and writes nothing;
+- it calls `gdc_launch_dependents` only after its own wait, so when kernel k starts, kernel
+  k - 2 and everything before it have finished.
+A kernel launched without PDL (cuBLAS, torch's own) waits for its predecessor as always, and a
+PDL kernel after one of those starts once it has finished. ENGINE_PDL=0 turns PDL off.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -80,6 +92,8 @@ def _enabled_by_default() -> bool:
 
 _ENABLED = _enabled_by_default()
 _DIRECT = _checked_triton()  # whether _entry may call the launcher's compiled `launch` itself
+_PDL_WANTED = os.environ.get("ENGINE_PDL", "1") != "0" and not is_interpreter()
+_pdl_devices: dict[int, bool] = {}  # CUDA device index -> whether PDL launches run there
 
 # (kernel id, device, *specialization, *launch options) -> (launcher, arguments before the grid's
 # and stream's successors: see _entry)
@@ -109,14 +123,56 @@ def mark_warm(warm: bool = True) -> None:
     _warm = warm
 
 
+def set_pdl(enabled: bool) -> None:
+    """Launch `pdl=True` kernels with programmatic dependent launch where the GPU has it
+    (benchmarks compare both; the setting a CUDA graph was captured with stays in it)."""
+    global _PDL_WANTED
+    _PDL_WANTED = enabled and not is_interpreter()
+
+
+def pdl_active(device: int | None = None) -> bool:
+    """Whether `launch(..., pdl=True)` uses PDL on this CUDA device (the current one)."""
+    if not _PDL_WANTED or not _cuda_available():
+        return False
+    index = torch._C._cuda_getDevice() if device is None else device
+    active = _pdl_devices.get(index)
+    if active is None:
+        active = _pdl_devices[index] = _pdl_supported(index)
+    return active
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _pdl_supported(index: int) -> bool:
+    """sm_90+ and a Triton with the grid-dependency intrinsics and the launch option."""
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    try:
+        import triton.language.extra.cuda as tl_cuda
+    except ImportError:
+        return False
+    return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+
+
 def late_compiles() -> list[str]:
     """The kernels that met a new specialization after `mark_warm`, with the ms each took."""
     return list(_late.values())
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """`kernel[grid](*args, **kwargs)`, through the compiled-kernel cache when possible."""
+def launch(
+    kernel: Any, grid: tuple[int, ...], *args: Any, pdl: bool = False, **kwargs: Any
+) -> None:
+    """`kernel[grid](*args, **kwargs)`, through the compiled-kernel cache when possible.
+    `pdl`: the kernel keeps the PDL contract above (its `USE_PDL` constexpr is set here)."""
     global _runtime
+    if pdl:
+        use = pdl_active()
+        kwargs["USE_PDL"] = use
+        if use:
+            kwargs["launch_pdl"] = True
     if not _ENABLED or callable(grid):
         kernel[grid](*args, **kwargs)
         return

@@ -32,6 +32,7 @@ from engine.kernels.utils import (
     merge_splits,
     next_power_of_2,
     online_softmax_step,
+    pdl_wait,
     split_bounds,
     store_split,
 )
@@ -106,8 +107,11 @@ def _mla_decode_stage1(
     IS_FP8: tl.constexpr,
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """One (head group, split, request): online softmax over the split's KV tiles."""
+    """One (head group, split, request): online softmax over the split's KV tiles. Before the
+    PDL wait it reads only the step's inputs (lengths, slot table); q and the newest latent row
+    were written by the launches just before."""
     # NOTE: the head group is the fastest grid axis, so programs that share a KV tile run
     # side by side and the re-reads of a tile (heads > BLOCK_H) mostly hit L2.
     hg = tl.program_id(0)
@@ -122,6 +126,18 @@ def _mla_decode_stage1(
     offs_c = tl.arange(0, C)
     offs_r = tl.arange(0, R)
     offs_t = tl.arange(0, BLOCK_N)
+    table_row = table_ptr + row * stride_table
+    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead, so the KV loads
+    # never wait on an index load issued in the same iteration. FP8 tiles are loaded into
+    # registers (for the conversion), not by the pipeliner's async copies, so with pages they
+    # read the next page id one iteration ahead too; bf16 tiles are faster without that.
+    if PAGE_SIZE == 1:
+        next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
+    elif IS_FP8:
+        next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+    else:
+        next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
+    pdl_wait(USE_PDL)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_pe = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None], other=0.0)
@@ -144,17 +160,6 @@ def _mla_decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
-    table_row = table_ptr + row * stride_table
-    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead, so the KV loads
-    # never wait on an index load issued in the same iteration. FP8 tiles are loaded into
-    # registers (for the conversion), not by the pipeliner's async copies, so with pages they
-    # read the next page id one iteration ahead too; bf16 tiles are faster without that.
-    if PAGE_SIZE == 1:
-        next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
-    elif IS_FP8:
-        next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
-    else:
-        next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
@@ -292,6 +297,7 @@ def _launch(
         UPCAST=INTERPRET_UPCAST,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        pdl=True,
     )
     if num_kv_splits > 1:
         merge_splits(mid_o, mid_lse, out)

@@ -26,7 +26,7 @@ from engine.kernels.kv_store import store_row
 from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
-from engine.kernels.utils import next_power_of_2
+from engine.kernels.utils import next_power_of_2, pdl_wait
 
 
 class PoolRow(NamedTuple):
@@ -53,9 +53,10 @@ def _mla_preamble_kernel(
     num_heads, C, half, eps, scaling,
     INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_H: tl.constexpr, STORE: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_W: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     kv_row = kv_ptr + t * stride_kv
     lat_row = latent_ptr + t * stride_lat
     offs_c = tl.arange(0, BLOCK_C)
@@ -134,6 +135,6 @@ def mla_preamble(
         INTERLEAVED=interleaved, BLOCK_C=block_c, BLOCK_J=next_power_of_2(half),
         BLOCK_H=max(2, min(16, next_power_of_2(num_heads))), STORE=store is not None,
         IS_FP8=is_fp8, BLOCK_W=next_power_of_2(width), FP8_MAX=FP8_MAX,
-        num_warps=4 if block_c >= 512 else 2,
+        num_warps=4 if block_c >= 512 else 2, pdl=True,
     )  # fmt: skip
     return latent, q_pe_out

@@ -29,7 +29,15 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, next_power_of_2
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    cdiv,
+    dot,
+    line_elements,
+    next_power_of_2,
+    pdl_wait,
+    prefetch_rows_l2,
+)
 
 # Gate weights up to this size are streamed by the router program itself when there are enough
 # tokens to give many programs; otherwise the gate GEMM runs first over (token, expert, H-split)
@@ -71,12 +79,19 @@ def _gate_logits_kernel(
     x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [S, T, E] fp32 (S: splits of H)
     T, E, H, h_split, stride_x, stride_w, stride_l, stride_s,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+    LINE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (t, e, s): the logits of a token tile and an expert tile over split s of H."""
+    """Program (t, e, s): the logits of a token tile and an expert tile over split s of H.
+    Under PDL it first prefetches its expert rows' slice of H into L2."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     h0 = tl.program_id(2) * h_split
     mask_t, mask_e = offs_t < T, offs_e < E
+    if USE_PDL:
+        if tl.program_id(0) == 0:  # one token tile fetches the weight for all
+            rows = w_ptr + offs_e.to(tl.int64) * stride_w + h0
+            prefetch_rows_l2(rows, mask_e, tl.minimum(h_split, H - h0), LINE, 16)
+    pdl_wait(USE_PDL)
     acc = _gate_tile(
         x_ptr + h0, w_ptr + h0, offs_t, mask_t, offs_e, mask_e, tl.minimum(h_split, H - h0),
         stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
@@ -115,10 +130,12 @@ def _moe_router_kernel(
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     mask_t, mask_e = offs_t < T, offs_e < E
+    pdl_wait(USE_PDL)
     if FUSE_GATE:
         logits = _gate_tile(
             x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
@@ -233,7 +250,8 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch
         _gate_logits_kernel, grid,
         x, weight, logits, num_tokens, num_experts, hidden, h_split, x.stride(0),
         weight.stride(0), logits.stride(1), logits.stride(0), BLOCK_T=GATE_BLOCK_T,
-        BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H, UPCAST=INTERPRET_UPCAST, num_warps=4,
+        BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H, UPCAST=INTERPRET_UPCAST,
+        LINE=line_elements(weight), num_warps=4, pdl=True,
     )  # fmt: skip
     return logits
 
@@ -290,6 +308,6 @@ def moe_router(
         RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, next_power_of_2(num_groups)),
         BLOCK_K=max(2, next_power_of_2(width)), UPCAST=INTERPRET_UPCAST,
-        num_warps=4 if block_e <= 128 else 8,
+        num_warps=4 if block_e <= 128 else 8, pdl=True,
     )  # fmt: skip
     return RouterOutput(topk_weights, topk_ids)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import next_power_of_2
+from engine.kernels.utils import next_power_of_2, pdl_wait
 
 
 @triton.jit
@@ -34,11 +34,12 @@ def _rms_norm_kernel(
     res_out_ptr,  # [T, N] (HAS_RESIDUAL): x + residual
     stride_x, stride_res, stride_out, stride_res_out,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
@@ -82,6 +83,7 @@ def _launch(
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
         res_out2.stride(0) if res_out2 is not None else 0,
         n, eps, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=num_warps,
+        pdl=True,
     )  # fmt: skip
     return out, res_out
 

@@ -21,7 +21,16 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import INTERPRET_UPCAST, cdiv, dot, is_interpreter
+from engine.kernels.utils import (
+    INTERPRET_UPCAST,
+    cdiv,
+    contiguous_span,
+    dot,
+    is_interpreter,
+    line_elements,
+    pdl_wait,
+    prefetch_span_l2,
+)
 
 MAX_ROWS = 16  # one BLOCK_M tile
 
@@ -53,12 +62,19 @@ def _small_gemm_kernel(
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wk, stride_wn,
     stride_yb, stride_ym, stride_yn,
+    prefetch_numel,  # USE_PDL: the weight's span, prefetched by the grid before the wait (0: none)
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (n, b): y[b, :, n-slice] over the whole of K (fp32 accumulation)."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    if USE_PDL:
+        num_n = tl.num_programs(0)
+        pid = b * num_n + pid_n
+        prefetch_span_l2(w_ptr, prefetch_numel, pid, num_n * tl.num_programs(1), LINE, 32)
+    pdl_wait(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -105,9 +121,10 @@ def small_matmul(
     launch(
         _small_gemm_kernel, (cdiv(n, cfg.block_n), nb),
         x3, w3, bias if bias is not None else x3, y3, m, n, k,
-        *x3.stride(), *w3.stride(), *y3.stride(),
+        *x3.stride(), *w3.stride(), *y3.stride(), contiguous_span(w3),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        UPCAST=INTERPRET_UPCAST, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=INTERPRET_UPCAST, LINE=line_elements(w3), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, pdl=True,
     )  # fmt: skip
     return out
 

@@ -11,6 +11,18 @@ import triton.language as tl
 
 from engine.kernels.launch import is_interpreter, launch
 
+try:  # the grid-dependency intrinsics of programmatic dependent launch (Triton 3.5+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: launch.pdl_active() is False there
+
+    @triton.jit
+    def gdc_wait() -> None:
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents() -> None:
+        pass
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code (triton.cdiv is a constexpr function there: a few us a call)."""
@@ -57,6 +69,67 @@ def dot(a, b, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
+
+
+# ---- programmatic dependent launch (see engine.kernels.launch) ---------------------------------
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """A PDL kernel's wait: from here on the previous launch has finished and its writes are
+    visible; then the next launch may start (its programs run up to their own wait)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask the L2 cache for the lines holding `ptrs` where `mask` (no registers are filled):
+    what a kernel streams later, fetched before its PDL wait while the previous kernel runs."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def prefetch_span_l2(base_ptr, numel, pid, num_programs, LINE: tl.constexpr,
+                     BLOCK_L: tl.constexpr):  # fmt: skip
+    """Program `pid` of `num_programs` prefetches its share of the 128-byte lines of the
+    contiguous base_ptr[0:numel] (LINE elements a line), so the grid fetches all of it."""
+    lines = tl.cdiv(numel, LINE)
+    per = tl.cdiv(lines, num_programs)
+    offs = tl.arange(0, BLOCK_L)
+    for i in range(0, per, BLOCK_L):
+        line = pid * per + i + offs
+        prefetch_l2(base_ptr + line.to(tl.int64) * LINE, (i + offs < per) & (line < lines))
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, mask_rows, K, LINE: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Prefetch K contiguous elements from each row start in row_ptrs [R] (where mask_rows)."""
+    offs = tl.arange(0, BLOCK_L) * LINE
+    for k0 in range(0, K, BLOCK_L * LINE):
+        cols = k0 + offs
+        prefetch_l2(row_ptrs[:, None] + cols[None, :], mask_rows[:, None] & (cols < K)[None, :])
+
+
+def line_elements(t: torch.Tensor) -> int:
+    """Elements of t's dtype in a 128-byte cache line (prefetch_* helpers' LINE)."""
+    return max(1, 128 // t.element_size())
+
+
+def contiguous_span(t: torch.Tensor) -> int:
+    """numel when t covers one contiguous range from its data pointer (in any dim order, e.g. a
+    transposed view), else 0: what `prefetch_span_l2` may fetch of it."""
+    if t.is_contiguous() or t.transpose(-1, -2).is_contiguous():
+        return t.numel()
+    return 0
 
 
 # ---- pieces shared by the split-KV decode kernels (MLA and GQA) and the extend kernel ----------
@@ -132,12 +205,14 @@ def _merge_splits_kernel(
     num_splits,
     C: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One (head, request): the splits' outputs weighted by their share of the softmax sum."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_c = tl.arange(0, C)
+    pdl_wait(USE_PDL)
     ml_base = mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh
     lse = tl.load(ml_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
@@ -184,5 +259,5 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) 
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         C=dv, BLOCK_S=max(2, next_power_of_2(num_splits)),
-        num_warps=4 if dv >= 256 else 1,
+        num_warps=4 if dv >= 256 else 1, pdl=True,
     )  # fmt: skip

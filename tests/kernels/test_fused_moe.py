@@ -202,9 +202,9 @@ def _spy_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def spy(name: str) -> Callable[..., Any]:
         launch = getattr(fused_moe_module, name)
 
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             calls.append(name)
-            return launch(*args)
+            return launch(*args, **kwargs)
 
         return run
 

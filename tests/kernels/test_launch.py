@@ -222,3 +222,42 @@ def test_cached_launches_match_triton_path() -> None:
         for a, b, c in zip(got, got2, want, strict=True):
             assert torch.equal(a, c) and torch.equal(b, c)
     assert launch_mod.fast_launch_enabled() and launch_mod._compiled  # the cache was used
+
+
+class PdlKernel(FakeKernel):
+    """A kernel with a USE_PDL constexpr (the binder takes it as a keyword)."""
+
+    @staticmethod
+    def _bind(x: Any, n: int, BLOCK: int, **options: Any) -> tuple[Any, Any, Any]:
+        use = options.pop("USE_PDL")
+        spec = [("*fp32", True), ("i32", n == 1), ("constexpr", BLOCK), ("constexpr", use)]
+        return {"x": x, "n": n, "BLOCK": BLOCK, "USE_PDL": use}, spec, options
+
+
+@pytest.mark.parametrize("active", [False, True])
+def test_pdl_sets_the_constexpr_and_the_launch_option_only_where_active(
+    fast: Any, monkeypatch: Any, active: bool
+) -> None:
+    monkeypatch.setattr(launch_mod, "pdl_active", lambda device=None: active)
+    k, x = PdlKernel(), torch.zeros(8)
+    launch(k, (2,), x, 5, BLOCK=64, pdl=True)
+    _, (_, _, kwargs) = k.calls[0]
+    assert kwargs["USE_PDL"] is active
+    assert ("launch_pdl" in kwargs) is active and kwargs.get("launch_pdl", True) is True
+    plain = FakeKernel()
+    launch(plain, (2,), x, 5, BLOCK=64)  # not a PDL kernel: neither is passed
+    assert plain.calls[0][1][2] == {"BLOCK": 64}
+
+
+def test_pdl_is_off_without_cuda_or_when_turned_off(monkeypatch: Any) -> None:
+    monkeypatch.setattr(launch_mod, "_pdl_devices", {})
+    launch_mod.set_pdl(False)
+    try:
+        assert not launch_mod.pdl_active()
+    finally:
+        launch_mod.set_pdl(os.environ.get("ENGINE_PDL", "1") != "0")
+    if not torch.cuda.is_available():
+        assert not launch_mod.pdl_active()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        launch_mod.set_pdl(True)  # the interpreter never runs PDL launches
+        assert not launch_mod._PDL_WANTED
