@@ -176,11 +176,8 @@ def mla_decode(
     k_scale: Tensor | None,
     max_seq_len: int,
     page_size: int,
-    split_counters: Tensor | None = None,
 ) -> Tensor:
-    """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync).
-    Traced, the op merges the splits with a kernel of its own (`split_counters` unused: the
-    op mutates nothing)."""
+    """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync)."""
     if _tracing():
         return _mla_decode_op(
             q,
@@ -205,7 +202,6 @@ def mla_decode(
         k_scale=k_scale,
         max_seq_len=max_seq_len,
         page_size=page_size,
-        split_counters=split_counters,
     )
 
 

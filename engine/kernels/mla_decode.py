@@ -29,8 +29,6 @@ from engine.kernels.utils import (
     dot,
     has_fp8_cvt,
     is_interpreter,
-    last_arrival,
-    merge_group,
     merge_splits,
     next_power_of_2,
     online_softmax_step,
@@ -40,14 +38,6 @@ from engine.kernels.utils import (
 )
 
 _LOG2E = 1.4426950408889634
-# Enough (request, head group) counters for the fused merge of any decode batch served.
-SPLIT_COUNTERS = 1 << 14
-
-
-def new_split_counters(device: torch.device | str) -> torch.Tensor:
-    """The zeroed counters `mla_decode(..., split_counters=)` takes: allocate once (outside
-    graph capture) and pass to every call on that device; one launch at a time uses them."""
-    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -94,8 +84,6 @@ def _mla_decode_stage1(
     seq_lens_ptr,  # [B]
     mid_o_ptr,  # [B, H, S, C] fp32, or the output [B, H, 1, C] when S == 1
     mid_lse_ptr,  # [B, H, S] fp32 (log2 units)
-    o_ptr,  # [B, H, C]: FUSED_MERGE's output
-    counter_ptr,  # [B * head groups] int32 zeros: FUSED_MERGE's arrivals
     qk_scale,  # sm_scale * log2(e) (times k_scale for fp8 is applied in-kernel)
     k_scale_ptr,  # [1] fp32 (only when IS_FP8)
     stride_qb,
@@ -107,8 +95,6 @@ def _mla_decode_stage1(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    stride_ob,
-    stride_oh,
     num_heads,
     num_splits,
     C: tl.constexpr,  # kv_lora_rank (power of two)
@@ -121,13 +107,11 @@ def _mla_decode_stage1(
     IS_FP8: tl.constexpr,
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
     PDL wait it reads only the step's inputs (lengths, slot table); q and the newest latent row
-    were written by the launches just before. FUSED_MERGE: the group's last split to finish
-    merges the splits into o (no merge kernel)."""
+    were written by the launches just before."""
     # NOTE: the head group is the fastest grid axis, so programs that share a KV tile run
     # side by side and the re-reads of a tile (heads > BLOCK_H) mostly hit L2.
     hg = tl.program_id(0)
@@ -208,12 +192,6 @@ def _mla_decode_stage1(
         mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, None,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
     )  # fmt: skip
-    if FUSED_MERGE:
-        if last_arrival(counter_ptr + b * tl.num_programs(0) + hg, num_splits):
-            merge_group(
-                mid_o_ptr, mid_lse_ptr, o_ptr, b, offs_h, mask_h, offs_c, num_splits,
-                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-            )  # fmt: skip
 
 
 class MLADecodeConfig(NamedTuple):
@@ -251,7 +229,6 @@ def _launch(
     num_kv_splits: int | None,
     max_seq_len: int | None,
     config: MLADecodeConfig | None,
-    split_counters: torch.Tensor | None,
 ) -> torch.Tensor:
     # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C]
     batch, num_heads, head_dim = q.shape
@@ -285,11 +262,6 @@ def _launch(
             (batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device
         )
     grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
-    fused_merge = (
-        num_kv_splits > 1
-        and split_counters is not None
-        and split_counters.numel() >= grid[0] * batch
-    )
     launch(
         _mla_decode_stage1,
         grid,
@@ -300,8 +272,6 @@ def _launch(
         seq_lens,
         mid_o,
         mid_lse,
-        out,
-        split_counters if fused_merge else mid_lse,
         sm_scale * _LOG2E,
         k_scale if k_scale is not None else mid_lse,
         q.stride(0),
@@ -313,8 +283,6 @@ def _launch(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
         num_heads,
         num_kv_splits,
         C=c,
@@ -327,12 +295,11 @@ def _launch(
         IS_FP8=is_fp8,
         USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
-        FUSED_MERGE=fused_merge,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,
     )
-    if num_kv_splits > 1 and not fused_merge:
+    if num_kv_splits > 1:
         merge_splits(mid_o, mid_lse, out)
     return out
 
@@ -350,7 +317,6 @@ def mla_decode(
     max_seq_len: int | None = None,
     config: MLADecodeConfig | None = None,
     page_size: int = 1,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over the engine's latent pool, through `req_to_token`.
 
@@ -359,16 +325,14 @@ def mla_decode(
     seq_lens [B] (including the token being decoded). Returns o [B, H, C] in q's dtype.
     With `page_size` > 1 the pool is paged (positions i // page_size * page_size onwards sit in
     consecutive slots, the allocator's layout), and a tile reads one slot id instead of one per
-    token. `split_counters`: int32 zeros (`new_split_counters`) that the kernel leaves zeroed,
-    one per (request, head group): the last split of each group merges the splits itself (no
-    merge kernel); without them, or when too few, a merge kernel runs.
+    token.
     """
     kv = kv_buffer.view(kv_buffer.shape[0], kv_buffer.shape[-1])
     # NOTE: pages smaller than a 16-token tile are read slot by slot (the table has them all).
     page = page_size if page_size >= 16 else 1
     return _launch(
         q, kv, req_to_token, req_pool_indices, seq_lens, kv_lora_rank, sm_scale, k_scale,
-        page, num_kv_splits, max_seq_len, config, split_counters,
+        page, num_kv_splits, max_seq_len, config,
     )  # fmt: skip
 
 
@@ -383,16 +347,15 @@ def mla_decode_paged(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     config: MLADecodeConfig | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over FlashMLA's paged layout.
 
     q [B, H, C + R]; kv_cache [num_pages, page_size, 1, C + R]; block_table [B, max_pages] int32;
-    seq_lens [B]. Returns o [B, H, C]. `split_counters` as in `mla_decode`.
+    seq_lens [B]. Returns o [B, H, C].
     """
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
     kv = kv_cache.view(num_pages * page_size, kv_cache.shape[-1])
     return _launch(
         q, kv, block_table, None, seq_lens, kv_lora_rank, sm_scale, k_scale, page_size,
-        num_kv_splits, max_seq_len, config, split_counters,
+        num_kv_splits, max_seq_len, config,
     )  # fmt: skip

@@ -206,33 +206,6 @@ def last_arrival(counter_ptr, expected):
 
 
 @triton.jit
-def merge_group(
-    mid_o_ptr, mid_lse_ptr, o_ptr, b, offs_h, mask_h, offs_c, num_splits,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-):  # fmt: skip
-    """`merge_splits` for the heads offs_h of request b inside a split-KV kernel, by the last
-    split to finish (see last_arrival): a running log-sum-exp over the splits."""
-    mo = mid_o_ptr + b.to(tl.int64) * stride_mob + offs_h[:, None] * stride_moh + offs_c[None, :]
-    ml = mid_lse_ptr + b.to(tl.int64) * stride_mlb + offs_h * stride_mlh
-    m = tl.load(ml, mask=mask_h, other=0.0, cache_modifier=".cg")  # split 0: never empty
-    acc = tl.load(mo, mask=mask_h[:, None], other=0.0, cache_modifier=".cg")
-    denom = tl.full(m.shape, 1.0, dtype=tl.float32)
-    for s in range(1, num_splits):
-        lse = tl.load(ml + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-        used = lse > float("-inf")  # an empty split wrote no output
-        o = tl.load(mo + s * stride_mos, mask=used[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        denom = denom * alpha + w
-        m = m_new
-    out = acc / denom[:, None]
-    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None])
-
-
-@triton.jit
 def _merge_splits_kernel(
     mid_o_ptr,  # [B, H, S, C] fp32
     mid_lse_ptr,  # [B, H, S] fp32

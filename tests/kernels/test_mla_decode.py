@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import mla_decode as mla_decode_module
 from engine.kernels.fp8 import quantize_fp8
 from engine.kernels.kv_store import store_mla_kv
-from engine.kernels.mla_decode import (
-    MLADecodeConfig,
-    mla_decode,
-    mla_decode_paged,
-    new_split_counters,
-)
+from engine.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_paged
 from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
 from engine.kernels.utils import choose_num_kv_splits
 
@@ -68,56 +62,6 @@ def test_mla_decode_matches_ref(
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale)
     assert out.shape == (len(seq_lens), heads, C)
     assert _rel_err(out, ref) < 1e-2  # tl.dot may use tf32
-
-
-@pytest.mark.parametrize(
-    "seq_lens,heads,splits,fp8",
-    [
-        ([1], 16, None, False),  # one split: nothing to merge
-        ([37], 16, 4, False),
-        ([3, 50], 20, 3, False),  # two head groups; empty splits for the short request
-        ([5, 100, 17, 64], 16, None, True),
-        ([33, 70], 4, 8, True),
-    ],
-)
-def test_fused_merge_matches_the_merge_kernel(
-    seq_lens: list[int], heads: int, splits: int | None, fp8: bool, device: torch.device,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """With split counters the last split of each head group merges the splits: the merge
-    kernel's result (to fp32 rounding), no merge launch, the counters zero again after each
-    call (a second call on the same counters is right too)."""
-    q, kv, req_to_token, rows, lens = _pool_inputs(
-        seq_lens, heads, torch.float32, seed=11 + len(seq_lens), device=device
-    )
-    k_scale = None
-    if fp8:
-        k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
-        kv = quantize_fp8(kv, k_scale)
-        q = q.to(torch.bfloat16)
-    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
-    cfg = _small_config(device)
-    plain = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
-    merges: list[int] = []
-    real_merge = mla_decode_module.merge_splits
-    monkeypatch.setattr(
-        mla_decode_module, "merge_splits", lambda *a: merges.append(1) or real_merge(*a)
-    )
-    counters = new_split_counters(device)
-    for _ in range(2):
-        fused = mla_decode(
-            *args, k_scale=k_scale, num_kv_splits=splits, config=cfg, split_counters=counters
-        )
-        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
-        assert not counters.any()
-    assert merges == []
-    too_few = new_split_counters(device)[: len(seq_lens) * ((heads + 15) // 16) - 1]
-    again = mla_decode(
-        *args, k_scale=k_scale, num_kv_splits=splits, config=cfg, split_counters=too_few
-    )  # a merge kernel where there are splits to merge
-    torch.testing.assert_close(again, plain, rtol=0, atol=0)
-    ref = mla_decode_ref(*args, k_scale=k_scale)
-    assert _rel_err(fused, ref) < 2e-2
 
 
 def _small_config(device: torch.device) -> MLADecodeConfig:

@@ -18,7 +18,6 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.kernels.custom_ops_attention import gqa_decode, mla_decode, store_kv, store_mla_kv
 from engine.kernels.extend import extend_attention, ragged_attention
-from engine.kernels.mla_decode import new_split_counters
 from engine.kernels.mla_preamble import PoolRow
 from engine.layers.attention.base import AttentionBackend
 from engine.layers.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
@@ -46,12 +45,6 @@ class TritonBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.is_mla = isinstance(kv_pool, MLATokenToKVPool)
         self.native = TorchNativeBackend(kv_pool)
-        # MLA decode's split merge, done by each head group's last split (one decode at a time).
-        self.split_counters = (
-            new_split_counters(kv_pool.kv_buffer[0].device)
-            if isinstance(kv_pool, MLATokenToKVPool)
-            else None
-        )
 
     # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -117,7 +110,6 @@ class TritonBackend(AttentionBackend):
                 k_scale=scale,
                 max_seq_len=meta.max_seq_len,
                 page_size=pool.page_size,
-                split_counters=self.split_counters,
             )
         assert isinstance(pool, MHATokenToKVPool)
         return gqa_decode(
