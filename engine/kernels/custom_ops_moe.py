@@ -112,10 +112,8 @@ def moe_router(
     renormalize: bool = False,
     scale: float = 1.0,
     num_shared: int = 0,
-    route_counters: Tensor | None = None,
 ) -> RouterOutput:
-    """As `engine.kernels.moe_router.moe_router` (the gate fused by the weight's size).
-    Traced, the op routes in a kernel of its own (`route_counters` unused)."""
+    """As `engine.kernels.moe_router.moe_router` (the gate fused by the weight's size)."""
     if not _tracing():
         return _moe_router.moe_router(
             x,
@@ -128,7 +126,6 @@ def moe_router(
             renormalize=renormalize,
             scale=scale,
             num_shared=num_shared,
-            route_counters=route_counters,
         )
     weights, ids = _moe_router_op(
         x,

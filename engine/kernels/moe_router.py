@@ -22,7 +22,7 @@ Returns float32 weights and int32 ids [T, k], the fused MoE kernel's inputs.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,7 +33,6 @@ from engine.kernels.utils import (
     INTERPRET_UPCAST,
     cdiv,
     dot,
-    last_arrival,
     line_elements,
     next_power_of_2,
     pdl_wait,
@@ -46,8 +45,6 @@ from engine.kernels.utils import (
 FUSE_GATE_MAX_BYTES = 512 * 1024
 FUSE_GATE_MIN_TOKENS = 1024
 GATE_BLOCK_T, GATE_BLOCK_E, GATE_BLOCK_H = 16, 16, 128
-# Token tiles of the split gate's fused routing: batches below FUSE_GATE_MIN_TOKENS.
-ROUTE_COUNTERS = 256
 
 
 class RouterOutput(NamedTuple):
@@ -81,19 +78,11 @@ def _gate_tile(x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride
 def _gate_logits_kernel(
     x_ptr, w_ptr, logits_ptr,  # [T, H], [E, H], [S, T, E] fp32 (S: splits of H)
     T, E, H, h_split, stride_x, stride_w, stride_l, stride_s,
-    # ROUTE: the router's outputs and arguments (see _moe_router_kernel), and one zeroed
-    # int32 counter per token tile
-    bias_ptr, topk_w_ptr, topk_ids_ptr, counter_ptr, group_size, scale,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
-    LINE: tl.constexpr, ROUTE: tl.constexpr = False, TOP_K: tl.constexpr = 1,
-    NUM_SHARED: tl.constexpr = 0, NUM_GROUPS: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
-    SIGMOID: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-    RENORMALIZE: tl.constexpr = False, ROUTE_BLOCK_E: tl.constexpr = 16,
-    BLOCK_G: tl.constexpr = 2, BLOCK_K: tl.constexpr = 2, USE_PDL: tl.constexpr = False,
+    LINE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (t, e, s): the logits of a token tile and an expert tile over split s of H.
-    Under PDL it first prefetches its expert rows' slice of H into L2. ROUTE: the token tile's
-    last program to finish sums the splits and routes the tile (no router kernel)."""
+    Under PDL it first prefetches its expert rows' slice of H into L2."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     h0 = tl.program_id(2) * h_split
@@ -110,20 +99,6 @@ def _gate_logits_kernel(
     l_ptrs = logits_ptr + tl.program_id(2).to(tl.int64) * stride_s
     l_ptrs += offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
     tl.store(l_ptrs, acc, mask=mask_t[:, None] & mask_e[None, :])
-    if ROUTE:
-        arrivals = tl.num_programs(1) * tl.num_programs(2)
-        if last_arrival(counter_ptr + tl.program_id(0), arrivals):
-            offs_all = tl.arange(0, ROUTE_BLOCK_E)
-            mask_all = offs_all < E
-            logits = _sum_splits(
-                logits_ptr, offs_t, mask_t, offs_all, mask_all, stride_l, stride_s,
-                tl.num_programs(2), BLOCK_T, ROUTE_BLOCK_E,
-            )  # fmt: skip
-            _route_tile(
-                logits, offs_t, mask_t, offs_all, mask_all, bias_ptr, topk_w_ptr, topk_ids_ptr,
-                E, group_size, scale, TOP_K, NUM_SHARED, NUM_GROUPS, TOPK_GROUP, SIGMOID,
-                HAS_BIAS, RENORMALIZE, BLOCK_T, ROUTE_BLOCK_E, BLOCK_G, BLOCK_K,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -136,43 +111,51 @@ def _argmax(vals, offs, BIG: tl.constexpr):
 
 @triton.jit
 def _split_logits(l_ptrs, split, stride_s, mask, num_splits):
-    """Split `split`'s partial logits [BLOCK_T, BLOCK_E] (zeros past the last split), from L2
-    (the gate kernel's last program reads what its other programs wrote)."""
+    """Split `split`'s partial logits [BLOCK_T, BLOCK_E] (zeros past the last split)."""
     in_range = (tl.zeros_like(mask.to(tl.int32)) + split) < num_splits
-    return tl.load(l_ptrs + split * stride_s, mask=mask & in_range, other=0.0, cache_modifier=".cg")
+    return tl.load(l_ptrs + split * stride_s, mask=mask & in_range, other=0.0)
 
 
-@triton.jit
-def _sum_splits(logits_ptr, offs_t, mask_t, offs_e, mask_e, stride_l, stride_s, num_splits,
-                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-    """The logits [BLOCK_T, BLOCK_E] of tokens offs_t: the partial sums [S, T, E] added."""
-    l_ptrs = logits_ptr + offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
-    mask_l = mask_t[:, None] & mask_e[None, :]
-    logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    # In split order, so the sum does not vary by run; four loads issued before the first
-    # is added (one load at a time waited on L2 for each of 16 splits: about 4 us).
-    for s0 in range(0, num_splits, 4):
-        p0 = _split_logits(l_ptrs, s0, stride_s, mask_l, num_splits)
-        p1 = _split_logits(l_ptrs, s0 + 1, stride_s, mask_l, num_splits)
-        p2 = _split_logits(l_ptrs, s0 + 2, stride_s, mask_l, num_splits)
-        p3 = _split_logits(l_ptrs, s0 + 3, stride_s, mask_l, num_splits)
-        logits += p0
-        logits += p1
-        logits += p2
-        logits += p3
-    return logits
-
-
-@triton.jit
-def _route_tile(
-    logits, offs_t, mask_t, offs_e, mask_e, bias_ptr, topk_w_ptr, topk_ids_ptr, E, group_size,
-    scale, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, NUM_GROUPS: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "stride_s", "num_splits"])
+def _moe_router_kernel(
+    x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [num_splits, T, E], summed here
+    w_ptr,  # [E, H] gate weight (FUSE_GATE)
+    bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
+    topk_w_ptr,  # [T, TOP_K + NUM_SHARED] fp32
+    topk_ids_ptr,  # [T, TOP_K + NUM_SHARED] int32
+    T, E, H, stride_x, stride_w, stride_s, group_size, scale,
+    num_splits,  # a runtime bound: the split count follows the batch size (gate_logit_splits)
+    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Route the tokens offs_t from their logits [BLOCK_T, BLOCK_E] (all E experts): scores,
-    the group limit, the top-k, renormalising and scaling; stores weights and ids."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_t, mask_e = offs_t < T, offs_e < E
+    pdl_wait(USE_PDL)
+    if FUSE_GATE:
+        logits = _gate_tile(
+            x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
+            BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
+        )  # fmt: skip
+    else:
+        l_ptrs = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_e[None, :]
+        mask_l = mask_t[:, None] & mask_e[None, :]
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        # In split order, so the sum does not vary by run; four loads issued before the first
+        # is added (one load at a time waited on L2 for each of 16 splits: about 4 us).
+        for s0 in range(0, num_splits, 4):
+            p0 = _split_logits(l_ptrs, s0, stride_s, mask_l, num_splits)
+            p1 = _split_logits(l_ptrs, s0 + 1, stride_s, mask_l, num_splits)
+            p2 = _split_logits(l_ptrs, s0 + 2, stride_s, mask_l, num_splits)
+            p3 = _split_logits(l_ptrs, s0 + 3, stride_s, mask_l, num_splits)
+            logits += p0
+            logits += p1
+            logits += p2
+            logits += p3
     neg_inf = float("-inf")
     valid = mask_e[None, :] & (offs_t[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     if SIGMOID:
@@ -234,43 +217,6 @@ def _route_tile(
     tl.store(topk_ids_ptr + out, topk_ids, mask=mask_out)
 
 
-@triton.jit(do_not_specialize=["T", "stride_s", "num_splits"])
-def _moe_router_kernel(
-    x_ptr,  # [T, H] (FUSE_GATE) or fp32 partial logits [num_splits, T, E], summed here
-    w_ptr,  # [E, H] gate weight (FUSE_GATE)
-    bias_ptr,  # [E] fp32 correction bias (HAS_BIAS)
-    topk_w_ptr,  # [T, TOP_K + NUM_SHARED] fp32
-    topk_ids_ptr,  # [T, TOP_K + NUM_SHARED] int32
-    T, E, H, stride_x, stride_w, stride_s, group_size, scale,
-    num_splits,  # a runtime bound: the split count follows the batch size (gate_logit_splits)
-    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    FUSE_GATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, BLOCK_E)
-    mask_t, mask_e = offs_t < T, offs_e < E
-    pdl_wait(USE_PDL)
-    if FUSE_GATE:
-        logits = _gate_tile(
-            x_ptr, w_ptr, offs_t, mask_t, offs_e, mask_e, H, stride_x, stride_w,
-            BLOCK_T, BLOCK_E, BLOCK_H, UPCAST,
-        )  # fmt: skip
-    else:
-        logits = _sum_splits(
-            x_ptr, offs_t, mask_t, offs_e, mask_e, stride_x, stride_s, num_splits, BLOCK_T,
-            BLOCK_E,
-        )  # fmt: skip
-    _route_tile(
-        logits, offs_t, mask_t, offs_e, mask_e, bias_ptr, topk_w_ptr, topk_ids_ptr, E,
-        group_size, scale, TOP_K, NUM_SHARED, NUM_GROUPS, TOPK_GROUP, SIGMOID, HAS_BIAS,
-        RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_K,
-    )  # fmt: skip
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -282,24 +228,9 @@ def gate_logit_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
     return max(1, min(16, hidden // 256, 128 // tiles))
 
 
-class _FusedRoute(NamedTuple):
-    """What the gate kernel needs to route too (ROUTE): see moe_router."""
-
-    counters: torch.Tensor  # int32 zeros, one per token tile
-    bias: torch.Tensor
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-    group_size: int
-    scale: float
-    meta: dict[str, Any]  # the routing's constexprs
-
-
-def gate_logits(
-    x: torch.Tensor, weight: torch.Tensor, splits: int = 1, route: _FusedRoute | None = None
-) -> torch.Tensor:
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch.Tensor:
     """x [T, H] @ weight [E, H]^T -> [splits, T, E] float32 partial sums over `splits` slices
-    of H (fp32 accumulation, 16-bit tensor cores when x and weight share a 16-bit dtype).
-    `route`: the kernel routes the tokens too (moe_router's fused form)."""
+    of H (fp32 accumulation, 16-bit tensor cores when x and weight share a 16-bit dtype)."""
     x, weight = _rows(x), _rows(weight)
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
@@ -308,30 +239,19 @@ def gate_logits(
         return logits
     h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
     splits_used = cdiv(hidden, h_split)
-    if splits_used < splits and route is None:  # rounding left the last splits empty: zeros
+    if splits_used < splits:  # rounding left the last splits empty: they hold zeros
         logits[splits_used:].zero_()
     grid = (
         cdiv(num_tokens, GATE_BLOCK_T),
         cdiv(num_experts, GATE_BLOCK_E),
         splits_used,
     )
-    if route is None:
-        out = logits
-        route_args: tuple[Any, ...] = (out, out, out, out, 0, 1.0)
-        meta: dict[str, Any] = {}
-    else:
-        assert route.counters.numel() >= grid[0]
-        route_args = (
-            route.bias, route.topk_weights, route.topk_ids, route.counters, route.group_size,
-            route.scale,
-        )  # fmt: skip
-        meta = dict(route.meta, ROUTE=True, ROUTE_BLOCK_E=max(16, next_power_of_2(num_experts)))
     launch(
         _gate_logits_kernel, grid,
         x, weight, logits, num_tokens, num_experts, hidden, h_split, x.stride(0),
-        weight.stride(0), logits.stride(1), logits.stride(0), *route_args,
-        BLOCK_T=GATE_BLOCK_T, BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H,
-        UPCAST=INTERPRET_UPCAST, LINE=line_elements(weight), num_warps=4, pdl=True, **meta,
+        weight.stride(0), logits.stride(1), logits.stride(0), BLOCK_T=GATE_BLOCK_T,
+        BLOCK_E=GATE_BLOCK_E, BLOCK_H=GATE_BLOCK_H, UPCAST=INTERPRET_UPCAST,
+        LINE=line_elements(weight), num_warps=4, pdl=True,
     )  # fmt: skip
     return logits
 
@@ -349,16 +269,12 @@ def moe_router(
     scale: float = 1.0,
     num_shared: int = 0,
     fuse_gate: bool | None = None,
-    route_counters: torch.Tensor | None = None,
 ) -> RouterOutput:
     """x [T, H]; weight [E, H] (the gate); correction_bias [E] fp32 (sigmoid scoring only).
 
     `num_shared` > 0 appends that many columns naming experts E, E+1, ... with weight 1 (the
     shared experts' slots in the fused MoE). `fuse_gate` (None: by the weight's size) computes
-    the gate logits inside the router program. `route_counters` (int32 zeros, one per 16
-    tokens, left zeroed; `ROUTE_COUNTERS` of them serve any batch that takes the split gate):
-    when the gate runs as a kernel of its own, its last program of each token tile routes the
-    tile, and there is no router launch.
+    the gate logits inside the router program.
     """
     assert scoring in ("softmax", "sigmoid"), scoring
     assert correction_bias is None or scoring == "sigmoid"
@@ -373,41 +289,25 @@ def moe_router(
     if fuse_gate is None:
         small = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
         fuse_gate = small and num_tokens >= FUSE_GATE_MIN_TOKENS
-    block_e = max(16, next_power_of_2(num_experts))
-    bias = correction_bias if correction_bias is not None else topk_weights
-    meta: dict[str, Any] = dict(
-        TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups, TOPK_GROUP=topk_group,
-        SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
-        RENORMALIZE=renormalize, BLOCK_G=max(2, next_power_of_2(num_groups)),
-        BLOCK_K=max(2, next_power_of_2(width)),
-    )  # fmt: skip
     if fuse_gate:
         src, weight, splits = _rows(x), _rows(weight), 1
     else:
         splits = gate_logit_splits(num_tokens, num_experts, hidden)
-        tiles = cdiv(num_tokens, GATE_BLOCK_T)
-        if route_counters is not None and route_counters.numel() >= tiles and block_e <= 128:
-            group_size = num_experts // num_groups
-            route = _FusedRoute(
-                route_counters, bias, topk_weights, topk_ids, group_size, float(scale), meta
-            )
-            gate_logits(x, weight, splits, route)
-            return RouterOutput(topk_weights, topk_ids)
         src = gate_logits(x, weight, splits)
+    block_e = max(16, next_power_of_2(num_experts))
     block_t = 16
     launch(
         _moe_router_kernel, (cdiv(num_tokens, block_t),),
-        src, weight, bias, topk_weights, topk_ids,
+        src, weight, correction_bias if correction_bias is not None else topk_weights,
+        topk_weights, topk_ids,
         num_tokens, num_experts, hidden, src.stride(-2), weight.stride(0),
         src.stride(0) if splits > 1 else 0, num_experts // num_groups, float(scale), splits,
-        FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_H=64 if block_e <= 64 else 32, UPCAST=INTERPRET_UPCAST,
-        num_warps=4 if block_e <= 128 else 8, pdl=True, **meta,
+        TOP_K=top_k, NUM_SHARED=num_shared, NUM_GROUPS=num_groups,
+        TOPK_GROUP=topk_group,
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=renormalize, FUSE_GATE=fuse_gate, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_H=64 if block_e <= 64 else 32, BLOCK_G=max(2, next_power_of_2(num_groups)),
+        BLOCK_K=max(2, next_power_of_2(width)), UPCAST=INTERPRET_UPCAST,
+        num_warps=4 if block_e <= 128 else 8, pdl=True,
     )  # fmt: skip
     return RouterOutput(topk_weights, topk_ids)
-
-
-def new_route_counters(device: torch.device | str) -> torch.Tensor:
-    """The zeroed counters `moe_router(..., route_counters=)` takes (allocate once, outside
-    graph capture; one launch at a time uses them)."""
-    return torch.zeros(ROUTE_COUNTERS, dtype=torch.int32, device=device)

@@ -191,21 +191,6 @@ def store_split(
 
 
 @triton.jit
-def last_arrival(counter_ptr, expected):
-    """Whether this program is the last of `expected` programs to call this on one counter
-    (a zeroed int32 in global memory): for a reduction done by whichever program finishes
-    last, in the same launch, instead of a kernel of its own. What every program stored
-    before it is visible to the last one (loads with cache_modifier=".cg"); the last one puts
-    the counter back to 0 for the next launch."""
-    tl.debug_barrier()  # every thread's stores come before the release below
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = ticket == expected - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _merge_splits_kernel(
     mid_o_ptr,  # [B, H, S, C] fp32
     mid_lse_ptr,  # [B, H, S] fp32

@@ -12,7 +12,6 @@ from engine.distributed.parallel_state import ParallelState
 from engine.distributed.sharding import ShardSpec
 from engine.kernels.custom_ops_moe import fused_moe, moe_router
 from engine.kernels.fused_moe import SharedExperts
-from engine.kernels.moe_router import ROUTE_COUNTERS
 
 
 class TopkRouter(nn.Module):
@@ -50,11 +49,6 @@ class TopkRouter(nn.Module):
         # "auto": the Triton kernel on CUDA, the torch code elsewhere ("triton" / "native"
         # force one, for tests).
         self.kernel = "auto"
-        # The kernel path's routing done by the gate kernel's last programs (moe_router).
-        self.route_counters: torch.Tensor
-        self.register_buffer(
-            "route_counters", torch.zeros(ROUTE_COUNTERS, dtype=torch.int32), persistent=False
-        )
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda)
@@ -72,14 +66,7 @@ class TopkRouter(nn.Module):
             scale=self.scale,
         )
         if self.uses_kernel(x):
-            out = moe_router(
-                x,
-                self.weight,
-                self.top_k,
-                num_shared=num_shared,
-                route_counters=self.route_counters,
-                **routing,
-            )
+            out = moe_router(x, self.weight, self.top_k, num_shared=num_shared, **routing)
             return out.topk_weights, out.topk_ids
         logits = F.linear(x.float(), self.weight.float())
         weights, ids = select_experts_native(logits, self.top_k, **routing)
