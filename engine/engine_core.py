@@ -28,6 +28,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoDetokenizer, check_tokenizer_files
 from engine.executor.launched_step import LaunchedStep, SampleRequest
 from engine.executor.model_runner import ModelRunner
+from engine.gc_control import freeze_startup_objects
 from engine.input_processor import InputProcessor
 from engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -92,6 +93,7 @@ class EngineCore:
         self.overlap = self._use_overlap()
         self._launched: _Launched | None = None  # the overlap schedule's batch in flight
         self.last_wait_s = 0.0  # seconds the last step() waited for the device (benchmarks)
+        freeze_startup_objects()  # the start-up's objects out of later full collections
 
     def _use_overlap(self) -> bool:
         """`enable_overlap`; None (auto) means on a GPU, with or without tensor parallelism (rank
