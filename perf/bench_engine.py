@@ -871,7 +871,8 @@ def row(r: dict[str, Any]) -> str:
     pshare = p.get("ceiling_share")
     return (
         f"{r['kv']:<5}{r['n']:>5} | {r['e2e_tok_s']:>9.1f} | "
-        f"{_f(d.get('ms_per_step'), '.2f'):>8} {_f(d.get('tok_s')):>9} "
+        f"{_f(d.get('ms_per_step'), '.2f'):>8} {_f(d.get('ms_per_step_median'), '.2f'):>7} "
+        f"{_f(d.get('tok_s')):>9} "
         f"{_f(d.get('ceiling_tok_s')):>9} {_f(share and 100 * share, '.0f'):>4}% | "
         f"{_f(p.get('tok_s'), '.0f'):>9} {_f(p.get('tflop_s')):>7} "
         f"{_f(pshare and 100 * pshare, '.0f'):>4}%"
@@ -879,10 +880,10 @@ def row(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    "decode: the steps where all N requests decode; of% = share of the ceiling\n"
-    "kv       N | e2e tok/s |  dec ms/st dec tok/s  ceil t/s  of% | pre tok/s TFLOP/s  of%\n"
-    + "-"
-    * 86
+    "decode: the steps where all N requests decode (ms/step mean and median: a stall shows as\n"
+    "a mean above the median); of% = share of the ceiling\n"
+    "kv       N | e2e tok/s |  dec ms/st  median dec tok/s  ceil t/s  of% "
+    "| pre tok/s TFLOP/s  of%\n" + "-" * 94
 )
 
 
