@@ -20,29 +20,23 @@ logger = logging.getLogger(__name__)
 
 PAUSE_WARN_S = 0.05
 _start: float | None = None
-_watching = False
-_unfreeze_at_exit = False
+# What a freeze held is given back at exit, so that the shutdown's collection frees it as usual
+# (a no-op when nothing was frozen).
+atexit.register(gc.unfreeze)
 
 
 def freeze_startup_objects() -> None:
-    """Collect once, then move every surviving object to the permanent generation (given
-    back to the collector at exit, so that the shutdown's collection frees it as usual)."""
-    global _unfreeze_at_exit
+    """Collect once, then move every surviving object to the permanent generation."""
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
     watch_pauses()
 
 
 def watch_pauses() -> None:
     """Log a warning for each collection that stops the process longer than PAUSE_WARN_S
     (installed once per process)."""
-    global _watching
-    if not _watching:
+    if _on_gc not in gc.callbacks:
         gc.callbacks.append(_on_gc)
-        _watching = True
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:

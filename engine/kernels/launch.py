@@ -93,7 +93,6 @@ def _enabled_by_default() -> bool:
 _ENABLED = _enabled_by_default()
 _DIRECT = _checked_triton()  # whether _entry may call the launcher's compiled `launch` itself
 _PDL_WANTED = os.environ.get("ENGINE_PDL", "1") != "0" and not is_interpreter()
-_pdl_devices: dict[int, bool] = {}  # CUDA device index -> whether PDL launches run there
 
 # (kernel id, device, *specialization, *launch options) -> (launcher, arguments before the grid's
 # and stream's successors: see _entry)
@@ -134,11 +133,7 @@ def pdl_active(device: int | None = None) -> bool:
     """Whether `launch(..., pdl=True)` uses PDL on this CUDA device (the current one)."""
     if not _PDL_WANTED or not _cuda_available():
         return False
-    index = torch._C._cuda_getDevice() if device is None else device
-    active = _pdl_devices.get(index)
-    if active is None:
-        active = _pdl_devices[index] = _pdl_supported(index)
-    return active
+    return _pdl_supported(torch._C._cuda_getDevice() if device is None else device)
 
 
 @functools.cache
@@ -146,6 +141,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@functools.cache
 def _pdl_supported(index: int) -> bool:
     """sm_90+ and a Triton with the grid-dependency intrinsics and the launch option."""
     if torch.cuda.get_device_capability(index) < (9, 0):
