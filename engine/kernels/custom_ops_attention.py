@@ -63,6 +63,7 @@ def _mla_decode_op(
     k_scale: Tensor | None,
     max_seq_len: int,
     page_size: int,
+    value_proj: Tensor | None = None,
 ) -> Tensor:
     return _mla_decode.mla_decode(
         q,
@@ -75,6 +76,7 @@ def _mla_decode_op(
         k_scale=k_scale,
         max_seq_len=max_seq_len,
         page_size=page_size,
+        value_proj=value_proj,
     )
 
 
@@ -90,8 +92,10 @@ def _(
     k_scale: Tensor | None,
     max_seq_len: int,
     page_size: int,
+    value_proj: Tensor | None = None,
 ) -> Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    width = kv_lora_rank if value_proj is None else value_proj.shape[2]
+    return q.new_empty(q.shape[0], q.shape[1], width)
 
 
 @torch.library.custom_op("engine::gqa_decode", mutates_args=())
@@ -176,6 +180,7 @@ def mla_decode(
     k_scale: Tensor | None,
     max_seq_len: int,
     page_size: int,
+    value_proj: Tensor | None = None,
 ) -> Tensor:
     """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync)."""
     if _tracing():
@@ -190,6 +195,7 @@ def mla_decode(
             k_scale,
             max_seq_len,
             page_size,
+            value_proj,
         )
     return _mla_decode.mla_decode(
         q,
@@ -202,6 +208,7 @@ def mla_decode(
         k_scale=k_scale,
         max_seq_len=max_seq_len,
         page_size=page_size,
+        value_proj=value_proj,
     )
 
 

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
+from engine.kernels.small_gemm import MAX_ROWS as SMALL_GEMM_ROWS
+from engine.kernels.small_gemm import small_matmul
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
     cdiv,
@@ -29,6 +31,8 @@ from engine.kernels.utils import (
     dot,
     has_fp8_cvt,
     is_interpreter,
+    merge_blocks,
+    merge_row,
     merge_splits,
     next_power_of_2,
     online_softmax_step,
@@ -38,6 +42,8 @@ from engine.kernels.utils import (
 )
 
 _LOG2E = 1.4426950408889634
+# Batches up to this size merge the splits and apply the value projection in one kernel.
+MERGE_PROJECT_MAX_ROWS = 8
 
 
 @triton.jit
@@ -194,6 +200,67 @@ def _mla_decode_stage1(
     )  # fmt: skip
 
 
+@triton.jit
+def _merge_project_kernel(
+    mid_o_ptr,  # [B, H, S, C] fp32
+    mid_lse_ptr,  # [B, H, S] fp32
+    w_ptr,  # [H, C, V] (strides given)
+    y_ptr,  # [B, H, V] (strides given)
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    stride_wh, stride_wc, stride_wv, stride_yb, stride_yh,
+    num_splits, V,
+    C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SA: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (value slice, head, request): the head's splits merged (`merge_row`), rounded to
+    the output dtype as the merged output would be, times its slice of w. The weight slice is
+    loaded before the PDL wait, while stage 1 runs."""
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_c = tl.arange(0, C)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    w_ptrs = w_ptr + h * stride_wh + offs_c[:, None] * stride_wc + offs_v[None, :] * stride_wv
+    w = tl.load(w_ptrs, mask=mask_v[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    x = merge_row(
+        mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh,
+        num_splits, stride_mos, offs_c, BLOCK_S, BLOCK_SA,
+    )  # fmt: skip
+    x = x.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.sum(x[:, None] * w.to(tl.float32), 0)
+    y_ptrs = y_ptr + b * stride_yb + h * stride_yh + offs_v
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_v)
+
+
+def _merge_project(
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, w: torch.Tensor, y: torch.Tensor
+) -> None:
+    """y [B, H, V] = merge_splits(mid_o, mid_lse) [B, H, C] @ w [H, C, V] per head."""
+    batch, num_heads, num_splits, c = mid_o.shape
+    v = w.shape[2]
+    block_v = 16
+    block_s, block_sa = merge_blocks(num_splits, c)
+    launch(
+        _merge_project_kernel, (cdiv(v, block_v), num_heads, batch),
+        mid_o, mid_lse, w, y, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), *w.stride(), y.stride(0), y.stride(1),
+        num_splits, v, C=c, BLOCK_V=block_v, BLOCK_S=block_s, BLOCK_SA=block_sa,
+        num_warps=4, pdl=True,
+    )  # fmt: skip
+
+
+def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H, C] @ w [H, C, V] per head -> [B, H, V]."""
+    y = x.new_empty(x.shape[0], x.shape[1], w.shape[2])
+    if x.shape[0] <= SMALL_GEMM_ROWS:
+        small_matmul(x.transpose(0, 1), w, out=y.transpose(0, 1))
+    else:
+        torch.bmm(x.transpose(0, 1), w, out=y.transpose(0, 1))
+    return y
+
+
 class MLADecodeConfig(NamedTuple):
     block_h: int
     block_n: int
@@ -229,8 +296,10 @@ def _launch(
     num_kv_splits: int | None,
     max_seq_len: int | None,
     config: MLADecodeConfig | None,
+    value_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C]
+    # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C], or [B, H, V]
+    # with value_proj [H, C, V]
     batch, num_heads, head_dim = q.shape
     c = kv_lora_rank
     r = head_dim - c
@@ -299,9 +368,15 @@ def _launch(
         num_stages=cfg.num_stages,
         pdl=True,
     )
+    if value_proj is not None:
+        assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
+        if num_kv_splits > 1 and batch <= MERGE_PROJECT_MAX_ROWS:
+            y = q.new_empty(batch, num_heads, value_proj.shape[2])
+            _merge_project(mid_o, mid_lse, value_proj, y)
+            return y
     if num_kv_splits > 1:
         merge_splits(mid_o, mid_lse, out)
-    return out
+    return out if value_proj is None else _project(out, value_proj)
 
 
 def mla_decode(
@@ -317,12 +392,15 @@ def mla_decode(
     max_seq_len: int | None = None,
     config: MLADecodeConfig | None = None,
     page_size: int = 1,
+    value_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over the engine's latent pool, through `req_to_token`.
 
     q [B, H, C + R]; kv_buffer [num_slots, 1, C + R] (bf16/fp16/fp32, or fp8 e4m3 with
     k_scale [1] fp32); req_to_token [max_reqs, max_ctx] int32; req_pool_indices [B];
-    seq_lens [B] (including the token being decoded). Returns o [B, H, C] in q's dtype.
+    seq_lens [B] (including the token being decoded). Returns o [B, H, C] in q's dtype, or with
+    `value_proj` [H, C, V] (any strides; MLA's W_UV) o @ value_proj per head [B, H, V]: small
+    batches merge the splits and project in one kernel.
     With `page_size` > 1 the pool is paged (positions i // page_size * page_size onwards sit in
     consecutive slots, the allocator's layout), and a tile reads one slot id instead of one per
     token.
@@ -332,7 +410,7 @@ def mla_decode(
     page = page_size if page_size >= 16 else 1
     return _launch(
         q, kv, req_to_token, req_pool_indices, seq_lens, kv_lora_rank, sm_scale, k_scale,
-        page, num_kv_splits, max_seq_len, config,
+        page, num_kv_splits, max_seq_len, config, value_proj,
     )  # fmt: skip
 
 

@@ -191,6 +191,32 @@ def store_split(
 
 
 @triton.jit
+def merge_row(mo_base, ml_base, num_splits, stride_mos, offs_c,
+              BLOCK_S: tl.constexpr, BLOCK_SA: tl.constexpr):  # fmt: skip
+    """One (request, head)'s splits merged: rows mo_base + s * stride_mos (at offs_c) weighted
+    by their share exp2(lse_s) of the softmax sum (lse_s at ml_base + s, log2 units; -inf for
+    an empty split) -> fp32 row.
+
+    The splits are read BLOCK_S at a time (BLOCK_SA >= num_splits), each chunk's rows in one
+    load, and only up to the last nonempty split: a graph's split count is sized for the longest
+    context it may replay, so at short contexts most splits are empty."""
+    offs_sa = tl.arange(0, BLOCK_SA)
+    lse = tl.load(ml_base + offs_sa, mask=offs_sa < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    last = tl.max(tl.where(lse > float("-inf"), offs_sa + 1, 0), 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros(offs_c.shape, dtype=tl.float32)
+    for s0 in range(0, last, BLOCK_S):
+        s = s0 + offs_s
+        w = tl.exp2(tl.load(ml_base + s, mask=s < last, other=float("-inf")) - m)
+        rows = tl.load(mo_base + s[:, None] * stride_mos + offs_c[None, :],
+                       mask=(w > 0.0)[:, None], other=0.0)  # fmt: skip
+        acc += tl.sum(w[:, None] * rows, 0)
+    return acc / denom
+
+
+@triton.jit
 def _merge_splits_kernel(
     mid_o_ptr,  # [B, H, S, C] fp32
     mid_lse_ptr,  # [B, H, S] fp32
@@ -205,28 +231,26 @@ def _merge_splits_kernel(
     num_splits,
     C: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_SA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """One (head, request): the splits' outputs weighted by their share of the softmax sum."""
     h = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    b = tl.program_id(1).to(tl.int64)
     offs_c = tl.arange(0, C)
     pdl_wait(USE_PDL)
-    ml_base = mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh
-    lse = tl.load(ml_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds at least one token
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    mo_base = mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh
-    acc = tl.zeros([C], dtype=tl.float32)
-    for s in range(num_splits):
-        ws = tl.exp2(tl.load(ml_base + s) - m)
-        if ws > 0.0:
-            acc += ws * tl.load(mo_base + s * stride_mos + offs_c)
-    out = acc / denom
-    o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_c
+    out = merge_row(
+        mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh,
+        num_splits, stride_mos, offs_c, BLOCK_S, BLOCK_SA,
+    )  # fmt: skip
+    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + offs_c
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+def merge_blocks(num_splits: int, width: int) -> tuple[int, int]:
+    """`merge_row`'s BLOCK_S (splits a load; about 8K fp32 values) and BLOCK_SA."""
+    block_sa = max(2, next_power_of_2(num_splits))
+    return min(block_sa, max(1, 8192 // width)), block_sa
 
 
 def choose_num_kv_splits(
@@ -254,10 +278,10 @@ def choose_num_kv_splits(
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
     batch, num_heads, num_splits, dv = mid_o.shape
+    block_s, block_sa = merge_blocks(num_splits, dv)
     launch(
         _merge_splits_kernel, (num_heads, batch),
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        C=dv, BLOCK_S=max(2, next_power_of_2(num_splits)),
-        num_warps=4 if dv >= 256 else 1, pdl=True,
+        C=dv, BLOCK_S=block_s, BLOCK_SA=block_sa, num_warps=4 if dv >= 256 else 2, pdl=True,
     )  # fmt: skip

@@ -30,6 +30,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.custom_ops import mla_preamble
 from engine.kernels.custom_ops_fp8 import bmm_fp8
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
+from engine.kernels.mla_preamble import ABSORB_MAX_TOKENS, mla_preamble_absorb
 from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.fp8_bmm import bmm_fp8_native, check_fp8_absorbed_weights, quantize_per_channel
@@ -164,11 +165,11 @@ class MLAAttention(MergedWeights):
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, h, -1)  # a view of the fused output's rows without a query LoRA
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         absorbed = fb.is_decode or self.absorb_extend
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
-            out = self._forward_fused(positions, q_nope, q_pe, kv_a, absorbed, fb)
+            out = self._forward_fused(positions, q, kv_a, absorbed, fb)
         else:
+            q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
             c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
             c_kv = self.kv_a_layernorm(c_kv)
             q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
@@ -184,22 +185,29 @@ class MLAAttention(MergedWeights):
     def _forward_fused(
         self,
         positions: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
+        q: torch.Tensor,
         kv_a: torch.Tensor,
         absorbed: bool,
         fb: ForwardBatch,
     ) -> torch.Tensor:
         """The CUDA path: the latent norm, both RoPEs and the latent row in one kernel; the
         absorbed query is assembled in place (rotated q_pe and q_nope @ W_UK written into its
-        columns), so nothing is concatenated."""
+        columns), so nothing is concatenated. A decode step's few tokens get W_UK in the same
+        launch (`mla_preamble_absorb`)."""
         rotary, norm = self.rotary[0], self.kv_a_layernorm
-        t, h, r = q_nope.shape[0], self.num_heads, self.kv_lora_rank
-        q_abs = q_nope.new_empty(t, h, r + self.qk_rope_head_dim) if absorbed else None
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank
+        q_abs = q.new_empty(t, h, r + self.qk_rope_head_dim) if absorbed else None
         # The absorbed path's latent rows go straight into the pool (no store launch), eagerly.
         store = None
         if absorbed and not torch.compiler.is_compiling():
             store = fb.attn_backend.mla_store_target(self.layer_id, fb)
+        if q_abs is not None and store is not None and self._absorb_in_preamble(q_nope):
+            latent = mla_preamble_absorb(
+                kv_a, q, self.w_kc, q_abs, norm.weight, norm.eps, positions, rotary.inv_freq,
+                rotary.attention_scaling, rotary.interleaved, store=store,
+            )  # fmt: skip
+            return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True, stored=True)
         latent, q_pe = mla_preamble(
             kv_a,
             q_pe,
@@ -228,6 +236,14 @@ class MLAAttention(MergedWeights):
             q_abs, latent.unsqueeze(1), fb, fused=True, stored=store is not None
         )
 
+    def _absorb_in_preamble(self, q_nope: torch.Tensor) -> bool:
+        """Whether W_UK runs inside the preamble's launch: a decode step's few tokens, bf16 (or
+        fp16) absorbed weights on the kernel path, a power-of-two nope dim."""
+        nope = self.qk_nope_head_dim
+        if q_nope.shape[0] > ABSORB_MAX_TOKENS or self.w_kc_scale is not None or nope & (nope - 1):
+            return False
+        return small_gemm_wanted(q_nope.transpose(0, 1), self.w_kc, self.kernel)
+
     def _bmm(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         """out = x [H, T, K] @ w [H, K, N] per head (the absorbed weights, eager CUDA path):
         a decode step's few rows on the small-M kernel, else cuBLAS."""
@@ -251,10 +267,14 @@ class MLAAttention(MergedWeights):
         stored: bool = False,
     ) -> torch.Tensor:
         """q [T, H, r + rope] over the latent rows; W_UV applied to the output -> [T, H, v]
-        (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is;
-        `stored`: the rows are in the pool already)."""
+        (`fused`: written by the GEMM into a contiguous [T, H, v], so o_proj reads it as is, and
+        at decode by the attention backend; `stored`: the rows are in the pool already)."""
+        w_vc_t, scale = self.w_vc.transpose(1, 2), self.w_vc_scale
+        if fused and fb.is_decode and scale is None:
+            # The backend applies W_UV (the kernels merge the splits and project in one launch)
+            return self.attn_mqa(q, latent, None, fb, stored=stored, value_proj=w_vc_t)
         out_latent = self.attn_mqa(q, latent, None, fb, stored=stored)  # [T, H, r]
-        x, w_vc_t, scale = out_latent.transpose(0, 1), self.w_vc.transpose(1, 2), self.w_vc_scale
+        x = out_latent.transpose(0, 1)
         if not fused:
             if scale is None:
                 return torch.einsum("thr,hvr->thv", out_latent, self.w_vc)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from engine.kernels.fp8 import quantize_fp8
 from engine.kernels.kv_store import store_mla_kv
-from engine.kernels.mla_decode import MLADecodeConfig, mla_decode, mla_decode_paged
+from engine.kernels.mla_decode import (
+    MLADecodeConfig,
+    _merge_project,
+    mla_decode,
+    mla_decode_paged,
+)
 from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
-from engine.kernels.utils import choose_num_kv_splits
+from engine.kernels.utils import choose_num_kv_splits, merge_splits
 
 C, R = 64, 16  # kv_lora_rank, rope dim (576 = 512 + 64 on real models)
 
@@ -203,3 +210,59 @@ def test_mla_decode_paged_slots(page: int, fp8: bool, device: torch.device) -> N
     )  # fmt: skip
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
     assert _rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "seq_lens,splits,dtype",
+    [
+        ([37], 4, torch.float32),  # batch 1: the merge and W_UV in one kernel
+        ([37], 4, torch.bfloat16),
+        ([200, 3, 64], 64, torch.float32),  # a graph's split count: most splits empty
+        ([9, 81], 1, torch.float32),  # one split: stage 1's output through the small GEMM
+        ([5 + 7 * i for i in range(10)], 3, torch.bfloat16),  # past the fused kernel's rows
+        ([5 + 3 * i for i in range(20)], 2, torch.float32),  # past the small GEMM's: bmm
+    ],
+)
+def test_mla_decode_value_proj(
+    seq_lens: list[int], splits: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """With W_UV given, the output is the attention output times it per head."""
+    heads, v = 16, 24  # v not a multiple of the kernel's value slice
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        seq_lens, heads, dtype, seed=len(seq_lens) + splits, device=device
+    )
+    g = torch.Generator().manual_seed(2)
+    w_uv = (torch.randn(heads, v, C, generator=g) / C**0.5).to(dtype).to(device)
+    w = w_uv.transpose(1, 2)  # [H, C, V], a strided view as the layer passes it
+    scale = (C + R) ** -0.5
+    cfg = _small_config(device)
+    out = mla_decode(
+        q, kv, req_to_token, rows, lens, C, scale, num_kv_splits=splits, config=cfg,
+        value_proj=w,
+    )  # fmt: skip
+    attn = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale)
+    ref = torch.einsum("bhc,hcv->bhv", attn.float(), w.float())
+    assert out.shape == (len(seq_lens), heads, v) and out.dtype == dtype
+    assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+def test_merge_splits_in_chunks(device: torch.device) -> None:
+    """Splits read several chunks a row (512 wide: 16 a load), empty ones (-inf) skipped; the
+    merge alone and merged with the value projection, against torch."""
+    g = torch.Generator().manual_seed(4)
+    batch, heads, splits, width, v = 3, 2, 40, 512, 16
+    mid_o = torch.randn(batch, heads, splits, width, generator=g)
+    lse = torch.randn(batch, heads, splits, generator=g) * 3
+    for b, nonempty in enumerate([40, 17, 1]):  # all, past one chunk, only the first
+        lse[b, :, nonempty:] = float("-inf")
+        mid_o[b, :, nonempty:] = float("nan")  # never read
+    w = torch.randn(heads, width, v, generator=g) / width**0.5
+    share = torch.softmax(lse * math.log(2), dim=-1)  # lse is in log2 units
+    ref = torch.einsum("bhs,bhsc->bhc", share, torch.nan_to_num(mid_o))
+    mid_o, lse, w = mid_o.to(device), lse.to(device), w.to(device)
+    out = torch.empty(batch, heads, width, device=device)
+    merge_splits(mid_o, lse, out)
+    assert _rel_err(out.cpu(), ref) < 1e-5
+    y = torch.empty(batch, heads, v, device=device)
+    _merge_project(mid_o, lse, w, y)
+    assert _rel_err(y.cpu(), torch.einsum("bhc,hcv->bhv", ref, w.cpu())) < 1e-5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kernels.kv_store import store_mla_kv
-from engine.kernels.mla_preamble import PoolRow, mla_preamble
+from engine.kernels.mla_preamble import PoolRow, mla_preamble, mla_preamble_absorb
 from engine.kernels.reference import mla_preamble_ref
 
 EPS = 1e-6
@@ -111,3 +111,36 @@ def test_mla_preamble_stores_into_the_pool(pool_dtype: torch.dtype, device: torc
     others[loc.cpu()] = False
     assert torch.count_nonzero(fused.view(torch.uint8)[others.to(device)]) == 0
     assert_preamble_close((latent, q_rot), mla_preamble_ref(*args), rope)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,heads,rank,rope,nope",
+    [(1, 16, 512, 64, 128), (5, 3, 96, 16, 32)],  # V2-Lite decode; C not a multiple of 64
+)
+def test_mla_preamble_absorb(
+    tokens: int, heads: int, rank: int, rope: int, nope: int, dtype: torch.dtype,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """W_UK in the preamble's launch: the absorbed query [q_nope @ W_UK | RoPE(q_pe)] and the
+    latent rows, stored byte for byte as `mla_preamble` stores them."""
+    g = torch.Generator().manual_seed(tokens + heads)
+    kv_a = (torch.randn(tokens, rank + rope, generator=g) * 2).to(dtype).to(device)
+    q = torch.randn(tokens, heads, nope + rope, generator=g).to(dtype).to(device)
+    w_kc = (torch.randn(heads, nope, rank, generator=g) / nope**0.5).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(rank, generator=g)).to(dtype).to(device)
+    positions = torch.randint(0, 4000, (tokens,), generator=g).to(device)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, rope, 2).float() / rope))).to(device)
+    args = (w, EPS, positions, inv_freq, 1.3, True)
+    loc = torch.arange(tokens, device=device) * 2 + 1
+    pool = torch.zeros(2 * tokens + 2, rank + rope, dtype=dtype, device=device)
+    q_abs = torch.full((tokens, heads, rank + rope), float("nan"), dtype=dtype, device=device)
+    latent = mla_preamble_absorb(kv_a, q, w_kc, q_abs, *args, store=PoolRow(pool, loc, None))
+    ref_latent, ref_q = mla_preamble_ref(kv_a, q[..., nope:], *args)
+    assert_preamble_close((latent, q_abs[..., rank:]), (ref_latent, ref_q), rope)
+    ref_abs = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_kc.float())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q_abs[..., :rank].float(), ref_abs, rtol=tol, atol=tol)
+    plain = torch.zeros_like(pool)
+    mla_preamble(kv_a, q[..., nope:], *args, store=PoolRow(plain, loc, None))
+    assert torch.equal(pool, plain)

@@ -45,12 +45,14 @@ class AttentionLayer(nn.Module):
         v: torch.Tensor | None,
         fb: ForwardBatch,
         stored: bool = False,
+        value_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new tokens' k (and v) at `fb.out_cache_loc` (unless `stored`: the caller
-        wrote them, through `backend.mla_store_target`), then attend."""
+        wrote them, through `backend.mla_store_target`), then attend. `value_proj` (decode
+        only): see `AttentionBackend.forward_decode`."""
         if not fb.attn_backend.traceable and torch.compiler.is_compiling():
-            return _attend_untraced(self, q, k, v, fb, stored)
-        return self.attend(q, k, v, fb, stored)
+            return _attend_untraced(self, q, k, v, fb, stored, value_proj)
+        return self.attend(q, k, v, fb, stored, value_proj)
 
     def attend(
         self,
@@ -59,12 +61,14 @@ class AttentionLayer(nn.Module):
         v: torch.Tensor | None,
         fb: ForwardBatch,
         stored: bool = False,
+        value_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         backend = fb.attn_backend
         if not stored:
             backend.store_kv(self.layer_id, fb, k, v)
         if fb.is_decode:
-            return backend.forward_decode(q, self, fb)
+            return backend.forward_decode(q, self, fb, value_proj)
+        assert value_proj is None, "value_proj is a decode-only option"
         return backend.forward_extend(q, k, v, self, fb)
 
 
@@ -76,9 +80,10 @@ def _attend_untraced(
     v: torch.Tensor | None,
     fb: ForwardBatch,
     stored: bool,
+    value_proj: torch.Tensor | None,
 ) -> torch.Tensor:
     """A backend torch.compile cannot trace runs eagerly between the compiled pieces."""
-    return layer.attend(q, k, v, fb, stored)
+    return layer.attend(q, k, v, fb, stored, value_proj)
 
 
 class AttentionBackend(ABC):
@@ -138,8 +143,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch
-    ) -> torch.Tensor: ...
+        self,
+        q: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        value_proj: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T, H, v_head_dim]; with `value_proj` [H, v_head_dim, V] (MLA's W_UV, absorbed
+        decode) the output times it per head, [T, H, V]: a backend may fuse the two."""
 
     @abstractmethod
     def forward_extend_ragged(

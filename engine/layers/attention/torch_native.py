@@ -109,7 +109,11 @@ class TorchNativeBackend(AttentionBackend):
             kv_start += seq_len
         return out
 
-    def forward_decode(self, q, layer, fb):
+    def forward_decode(self, q, layer, fb, value_proj=None):
+        out = self._decode(q, layer, fb)
+        return out if value_proj is None else torch.einsum("thc,hcv->thv", out, value_proj)
+
+    def _decode(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
         meta: TorchNativeMetadata = fb.attn_metadata
         assert meta.decode_buckets is not None
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)

@@ -94,7 +94,7 @@ class TritonBackend(AttentionBackend):
         return PoolRow(buffer.view(buffer.shape[0], -1), fb.out_cache_loc, scale)
 
     # ---- attention ----------------------------------------------------------------------------
-    def forward_decode(self, q, layer, fb):
+    def forward_decode(self, q, layer, fb, value_proj=None):
         lid, pool = layer.layer_id, self.kv_pool
         meta: TritonMetadata = fb.attn_metadata
         scale = pool.k_scale[lid] if pool.is_fp8 else None
@@ -110,8 +110,9 @@ class TritonBackend(AttentionBackend):
                 k_scale=scale,
                 max_seq_len=meta.max_seq_len,
                 page_size=pool.page_size,
+                value_proj=value_proj,
             )
-        assert isinstance(pool, MHATokenToKVPool)
+        assert isinstance(pool, MHATokenToKVPool) and value_proj is None
         return gqa_decode(
             q,
             pool.k_buffer[lid],
