@@ -21,7 +21,7 @@ def _models(request: pytest.FixtureRequest) -> dict[str, str]:
     return {"mla": mla, "llama": request.getfixturevalue("tiny_llama")}
 
 
-@pytest.mark.parametrize("which", ["mla", "llama", "mla_fused"])
+@pytest.mark.parametrize("which", ["mla", "llama", "mla_fused", "mla_kernels"])
 # NOTE: Triton 3.9's CPU interpreter rounds fp32 -> e4m3 wrongly at times (it can drop the carry),
 # so the FP8 store kernel is only trusted on a GPU; tests/kernels checks FP8 decode on CPU against
 # its reference over the same stored bytes.
@@ -31,13 +31,21 @@ def _models(request: pytest.FixtureRequest) -> dict[str, str]:
 def test_triton_backend_matches_torch_native(
     which: str, kv_cache_dtype: str, request: pytest.FixtureRequest
 ) -> None:
-    model = _models(request)[which.removesuffix("_fused")]
+    model = _models(request)[which.split("_")[0]]
     common = dict(dtype="float32", max_total_tokens=256, kv_cache_dtype=kv_cache_dtype)
     ref = LLM(model, attention_backend="torch_native", **common)
     tri = LLM(model, attention_backend="triton", debug_checks=True, **common)
     assert type(tri.core.runner.attn_backend).__name__ == "TritonBackend"
-    if which == "mla_fused":  # MLA's CUDA path: the preamble kernel stores the latent rows
-        layers = [m for m in tri.core.runner.model.modules() if isinstance(m, MLAAttention)]
+    if which != "mla" and which.startswith("mla"):
+        # MLA's CUDA path: the preamble kernel stores the latent rows. "mla_kernels": every
+        # layer's kernel, as on the GPU (the router and the fused MoE, whose expert outputs
+        # the next norm sums, the absorbed weights inside the preamble and the split merge).
+        layers = [
+            m
+            for m in tri.core.runner.model.modules()
+            if isinstance(m, MLAAttention)
+            or (which == "mla_kernels" and isinstance(getattr(m, "kernel", None), str))
+        ]
         assert layers
         for m in layers:
             m.kernel = "triton"
@@ -58,7 +66,7 @@ def test_triton_backend_matches_torch_native(
     # (On CUDA, decode steps replay graphs captured before the spy: only the CPU run sees
     # their calls.)
     if not torch.cuda.is_available():
-        assert any(store_modes) == (which != "mla_fused")
+        assert any(store_modes) == (which in ("mla", "llama"))
     # Decode logits of a batch with mixed context lengths, both backends, same slots.
     logits = []
     for llm in (ref, tri):
