@@ -123,7 +123,7 @@ def test_mla_preamble_absorb(
     device: torch.device,
 ) -> None:  # fmt: skip
     """W_UK in the preamble's launch: the absorbed query [q_nope @ W_UK | RoPE(q_pe)] and the
-    latent rows, stored byte for byte as `mla_preamble` stores them."""
+    latent rows, stored byte for byte as the store kernel stores them."""
     g = torch.Generator().manual_seed(tokens + heads)
     kv_a = (torch.randn(tokens, rank + rope, generator=g) * 2).to(dtype).to(device)
     q = torch.randn(tokens, heads, nope + rope, generator=g).to(dtype).to(device)
@@ -141,6 +141,6 @@ def test_mla_preamble_absorb(
     ref_abs = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_kc.float())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(q_abs[..., :rank].float(), ref_abs, rtol=tol, atol=tol)
-    plain = torch.zeros_like(pool)
-    mla_preamble(kv_a, q[..., nope:], *args, store=PoolRow(plain, loc, None))
-    assert torch.equal(pool, plain)
+    stored = torch.zeros_like(pool)
+    store_mla_kv(stored.unsqueeze(1), loc, latent, None)
+    assert torch.equal(pool, stored)
