@@ -112,8 +112,10 @@ def moe_router(
     renormalize: bool = False,
     scale: float = 1.0,
     num_shared: int = 0,
+    gate_partials: Tensor | None = None,
 ) -> RouterOutput:
-    """As `engine.kernels.moe_router.moe_router` (the gate fused by the weight's size)."""
+    """As `engine.kernels.moe_router.moe_router` (the gate fused by the weight's size;
+    `gate_partials` eagerly only)."""
     if not _tracing():
         return _moe_router.moe_router(
             x,
@@ -126,7 +128,9 @@ def moe_router(
             renormalize=renormalize,
             scale=scale,
             num_shared=num_shared,
+            gate_partials=gate_partials,
         )
+    assert gate_partials is None, "a compiled forward computes the gate logits in the router"
     weights, ids = _moe_router_op(
         x,
         weight,

@@ -44,6 +44,8 @@ from engine.kernels.utils import (
 # tiles and the router sums the splits' partial logits.
 FUSE_GATE_MAX_BYTES = 512 * 1024
 FUSE_GATE_MIN_TOKENS = 1024
+# Tokens up to which `norm_gate_logits` serves (a decode step's few rows).
+NORM_GATE_MAX_TOKENS = 8
 GATE_BLOCK_T, GATE_BLOCK_E, GATE_BLOCK_H = 16, 16, 128
 
 
@@ -99,6 +101,51 @@ def _gate_logits_kernel(
     l_ptrs = logits_ptr + tl.program_id(2).to(tl.int64) * stride_s
     l_ptrs += offs_t.to(tl.int64)[:, None] * stride_l + offs_e[None, :]
     tl.store(l_ptrs, acc, mask=mask_t[:, None] & mask_e[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_s"])
+def _norm_gate_kernel(
+    x_ptr, res_ptr, norm_w_ptr, out_ptr, res_out_ptr,  # [T, H] rows; norm weight [H]
+    w_ptr, logits_ptr,  # gate [E, H]; partial logits [S, T, E] fp32 (S: splits of H)
+    H, E, h_split, eps,
+    stride_x, stride_res, stride_out, stride_res_out, stride_w, stride_l, stride_s,
+    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_HS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (t, e, s): token t's fused add + RMSNorm (as `engine.kernels.norm` computes it;
+    the e = 0 programs store split s's slice of its two outputs) and the gate logits of expert
+    tile e over split s of H, from the normed row. The gate slice is loaded before the wait."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
+    offs_hs = split * h_split + tl.arange(0, BLOCK_HS)
+    mask_e = offs_e < E
+    mask_hs = (tl.arange(0, BLOCK_HS) < h_split) & (offs_hs < H)
+    w_ptrs = w_ptr + offs_e.to(tl.int64)[:, None] * stride_w + offs_hs[None, :]
+    w = tl.load(w_ptrs, mask=mask_e[:, None] & mask_hs[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x_row, res_row = x_ptr + t * stride_x, res_ptr + t * stride_res
+    res_dtype = res_out_ptr.dtype.element_ty
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    r = tl.load(res_row + offs, mask=mask, other=0.0)
+    row = (x.to(tl.float32) + r.to(tl.float32)).to(res_dtype).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(row * row, 0) / H + eps)
+    # This split's slice again (from L1): a register row cannot be sliced.
+    xs = tl.load(x_row + offs_hs, mask=mask_hs, other=0.0)
+    rs = tl.load(res_row + offs_hs, mask=mask_hs, other=0.0)
+    ss = (xs.to(tl.float32) + rs.to(tl.float32)).to(res_dtype)
+    nw = tl.load(norm_w_ptr + offs_hs, mask=mask_hs, other=0.0).to(tl.float32)
+    normed = ((ss.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * nw).to(
+        out_ptr.dtype.element_ty
+    )
+    if tl.program_id(1) == 0:
+        tl.store(out_ptr + t * stride_out + offs_hs, normed, mask=mask_hs)
+        tl.store(res_out_ptr + t * stride_res_out + offs_hs, ss, mask=mask_hs)
+    logits = tl.sum(normed.to(tl.float32)[None, :] * w.to(tl.float32), 1)
+    l_ptrs = logits_ptr + split.to(tl.int64) * stride_s + t * stride_l + offs_e
+    tl.store(l_ptrs, logits, mask=mask_e)
 
 
 @triton.jit
@@ -256,6 +303,41 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch
     return logits
 
 
+def norm_gate_logits(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE layer's fused add + RMSNorm and its gate logits in one launch, for a decode
+    step's few tokens (at most NORM_GATE_MAX_TOKENS): x, residual [T, H] -> (norm(x +
+    residual), x + residual, partial logits [S, T, E] fp32 for `moe_router(gate_partials=)`).
+    The norm's outputs are those of `engine.kernels.norm.fused_add_rms_norm`."""
+    num_tokens, hidden = x.shape
+    num_experts = gate_weight.shape[0]
+    assert num_tokens <= NORM_GATE_MAX_TOKENS and residual.shape == x.shape
+    assert x.stride(1) == 1 and residual.stride(1) == 1 and gate_weight.stride(1) == 1
+    out = torch.empty_like(x, dtype=torch.promote_types(norm_weight.dtype, x.dtype))
+    res_out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
+    splits = gate_logit_splits(num_tokens, num_experts, hidden)
+    h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
+    splits = cdiv(hidden, h_split)
+    logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out, res_out, logits
+    block_h = next_power_of_2(hidden)
+    launch(
+        _norm_gate_kernel, (num_tokens, cdiv(num_experts, GATE_BLOCK_E), splits),
+        x, residual, norm_weight, out, res_out, gate_weight, logits, hidden, num_experts,
+        h_split, eps, x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
+        gate_weight.stride(0), logits.stride(1), logits.stride(0),
+        BLOCK_H=block_h, BLOCK_E=GATE_BLOCK_E, BLOCK_HS=next_power_of_2(h_split),
+        num_warps=min(max(block_h // 256, 1), 8), pdl=True,
+    )  # fmt: skip
+    return out, res_out, logits
+
+
 def moe_router(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -269,12 +351,14 @@ def moe_router(
     scale: float = 1.0,
     num_shared: int = 0,
     fuse_gate: bool | None = None,
+    gate_partials: torch.Tensor | None = None,
 ) -> RouterOutput:
     """x [T, H]; weight [E, H] (the gate); correction_bias [E] fp32 (sigmoid scoring only).
 
     `num_shared` > 0 appends that many columns naming experts E, E+1, ... with weight 1 (the
     shared experts' slots in the fused MoE). `fuse_gate` (None: by the weight's size) computes
-    the gate logits inside the router program.
+    the gate logits inside the router program. `gate_partials` [S, T, E]: the gate logits in S
+    partial sums, computed already (`norm_gate_logits`).
     """
     assert scoring in ("softmax", "sigmoid"), scoring
     assert correction_bias is None or scoring == "sigmoid"
@@ -286,14 +370,19 @@ def moe_router(
     topk_ids = torch.empty(num_tokens, width, dtype=torch.int32, device=x.device)
     if num_tokens == 0:
         return RouterOutput(topk_weights, topk_ids)
-    if fuse_gate is None:
-        small = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
-        fuse_gate = small and num_tokens >= FUSE_GATE_MIN_TOKENS
-    if fuse_gate:
-        src, weight, splits = _rows(x), _rows(weight), 1
+    if gate_partials is not None:
+        assert gate_partials.shape[1:] == (num_tokens, num_experts), gate_partials.shape
+        assert gate_partials.is_contiguous()
+        fuse_gate, src, splits = False, gate_partials, gate_partials.shape[0]
     else:
-        splits = gate_logit_splits(num_tokens, num_experts, hidden)
-        src = gate_logits(x, weight, splits)
+        if fuse_gate is None:
+            small = weight.numel() * weight.element_size() <= FUSE_GATE_MAX_BYTES
+            fuse_gate = small and num_tokens >= FUSE_GATE_MIN_TOKENS
+        if fuse_gate:
+            src, weight, splits = _rows(x), _rows(weight), 1
+        else:
+            splits = gate_logit_splits(num_tokens, num_experts, hidden)
+            src = gate_logits(x, weight, splits)
     block_e = max(16, next_power_of_2(num_experts))
     block_t = 16
     launch(

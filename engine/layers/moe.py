@@ -53,10 +53,13 @@ class TopkRouter(nn.Module):
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda)
 
-    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, num_shared: int = 0, gate_partials: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int32 on the kernel
         path, int64 on the torch path); `num_shared` > 0 appends the shared experts' slots
-        (`append_shared_experts`)."""
+        (`append_shared_experts`). `gate_partials` (kernel path): the gate logits computed
+        already, as `engine.kernels.moe_router.norm_gate_logits` gives them."""
         routing: dict[str, Any] = dict(
             scoring=self.scoring,
             correction_bias=self.e_score_correction_bias,
@@ -66,8 +69,12 @@ class TopkRouter(nn.Module):
             scale=self.scale,
         )
         if self.uses_kernel(x):
-            out = moe_router(x, self.weight, self.top_k, num_shared=num_shared, **routing)
+            out = moe_router(
+                x, self.weight, self.top_k, num_shared=num_shared, gate_partials=gate_partials,
+                **routing,
+            )  # fmt: skip
             return out.topk_weights, out.topk_ids
+        assert gate_partials is None, "gate_partials come from the kernel path"
         logits = F.linear(x.float(), self.weight.float())
         weights, ids = select_experts_native(logits, self.top_k, **routing)
         return append_shared_experts(weights, ids, self.num_experts, num_shared)

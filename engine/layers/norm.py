@@ -38,11 +38,11 @@ class RMSNorm(nn.Module):
         # the kernel under the interpreter, "native" to force the torch code.
         self.kernel = "auto"
 
-    def _triton(self, x: torch.Tensor) -> bool:
+    def uses_kernel(self, x: torch.Tensor) -> bool:
         return self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._triton(x):
+        if self.uses_kernel(x):
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_native(x, self.weight, self.eps)
 
@@ -51,6 +51,6 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); x [T, P, H] against a residual [T, H] is P
         parts a row, summed first (the MoE's expert outputs, see `engine.kernels.norm`)."""
-        if self._triton(x):
+        if self.uses_kernel(x):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         return fused_add_rms_norm_native(x, residual, self.weight, self.eps)

@@ -135,6 +135,12 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
         x = self.self_attn(positions, x, fb)
+        return self.mlp_block(x, residual)
+
+    def mlp_block(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP after its norm, which closes the attention block's residual add."""
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual
 

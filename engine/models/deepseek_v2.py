@@ -32,6 +32,7 @@ from engine.kernels.custom_ops import mla_preamble
 from engine.kernels.custom_ops_fp8 import bmm_fp8
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
 from engine.kernels.mla_preamble import ABSORB_MAX_TOKENS, mla_preamble_absorb
+from engine.kernels.moe_router import NORM_GATE_MAX_TOKENS, norm_gate_logits
 from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.layers.attention.base import AttentionLayer
 from engine.layers.fp8_bmm import bmm_fp8_native, check_fp8_absorbed_weights, quantize_per_channel
@@ -337,22 +338,36 @@ class DeepseekMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate_partials: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H], or on one GPU with the shared experts folded in, eagerly, the experts'
-        weighted outputs [T, k + shared slots, H] that the next norm sums (DecoderLayer)."""
+        weighted outputs [T, k + shared slots, H] that the next norm sums (DecoderLayer).
+        `gate_partials`: the router's gate logits, computed with the norm (`norm_gate`)."""
         folded = self._folded_shared_experts(x)
         if folded is not None:
             # One fused MoE call runs the shared experts too, as always-on experts.
             slots = shared_expert_slots(folded, self.experts.intermediate_size)
-            weights, ids = self.gate(x, num_shared=slots)
+            weights, ids = self.gate(x, num_shared=slots, gate_partials=gate_partials)
             if not self.parallel.enabled and not torch.compiler.is_compiling():
                 return self.experts(x, weights, ids, shared_experts=folded, reduce=False)
             out = self.experts(x, weights, ids, shared_experts=folded)
         else:
-            weights, ids = self.gate(x)
+            weights, ids = self.gate(x, gate_partials=gate_partials)
             shared = self.shared_experts(x) if self.shared_experts is not None else None
             out = self.experts(x, weights, ids, shared)
         return self.parallel.all_reduce(out)  # each rank's output is a partial sum
+
+    def norm_gate(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`norm.forward_add(x, residual)` and the gate logits in one launch (a decode step's
+        few tokens, eagerly, every piece on its kernel), else None."""
+        if x.shape[0] > NORM_GATE_MAX_TOKENS or torch.compiler.is_compiling():
+            return None
+        if not (norm.uses_kernel(x) and self.gate.uses_kernel(x)) or x.dim() != 2:
+            return None
+        if not (x.dtype == residual.dtype == norm.weight.dtype) or x.stride(1) != 1:
+            return None
+        return norm_gate_logits(x, residual, norm.weight, norm.eps, self.gate.weight)
 
     def _folded_shared_experts(self, x: torch.Tensor) -> SharedExperts | None:
         """The shared MLP's weights when the router and the experts both run as kernels and the
@@ -391,6 +406,18 @@ class DeepseekDecoderLayer(DecoderLayer):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def mlp_block(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """At decode, the norm and the MoE's gate logits in one launch (DeepseekMoE.norm_gate)."""
+        fused = None
+        if isinstance(self.mlp, DeepseekMoE):
+            fused = self.mlp.norm_gate(self.post_attention_layernorm, x, residual)
+        if fused is None:
+            return super().mlp_block(x, residual)
+        x, residual, partials = fused
+        return self.mlp(x, gate_partials=partials), residual
 
 
 def _is_moe(hf: Any) -> bool:

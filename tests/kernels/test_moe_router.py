@@ -96,3 +96,34 @@ def test_router_appends_the_shared_experts(device: torch.device) -> None:
     ref_w, ref_ids = _sorted(ref_w, ref_ids)
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,experts", [(1, 2048, 64), (5, 300, 20)])
+def test_norm_gate_logits(
+    tokens: int, hidden: int, experts: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The fused add + RMSNorm with the gate logits in one launch: the norm's outputs as the
+    norm kernel gives them, the partial logits summing to the gate of the normed row, and the
+    router on them picking what it picks from the normed row itself."""
+    from engine.kernels.moe_router import norm_gate_logits
+    from engine.kernels.norm import fused_add_rms_norm
+
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    res = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+    gate = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(dtype).to(device)
+    out, new_res, partials = norm_gate_logits(x, res, norm_w, 1e-6, gate)
+    ref_out, ref_res = fused_add_rms_norm(x, res, norm_w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    # The sum of squares may be reduced in another order: one rounding step of the output.
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    assert partials.dim() == 3 and partials.shape[1:] == (tokens, experts)
+    logits = out.float() @ gate.float().T
+    torch.testing.assert_close(partials.sum(0), logits, rtol=1e-4, atol=1e-4)
+    got = moe_router(out, gate, 6, gate_partials=partials)
+    want = moe_router(out, gate, 6, fuse_gate=False)
+    assert torch.equal(_sorted(*got)[1], _sorted(*want)[1])
+    torch.testing.assert_close(_sorted(*got)[0], _sorted(*want)[0], rtol=1e-4, atol=1e-5)
