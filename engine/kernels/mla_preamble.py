@@ -28,7 +28,7 @@ from engine.kernels.kv_store import store_row
 from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
-from engine.kernels.utils import cdiv, line_elements, next_power_of_2, pdl_wait, prefetch_span_l2
+from engine.kernels.utils import cdiv, next_power_of_2, pdl_wait
 
 # Tokens up to which `mla_preamble_absorb` serves (a decode step's few rows).
 ABSORB_MAX_TOKENS = 8
@@ -117,26 +117,19 @@ def _mla_preamble_absorb_kernel(
     pool_ptr,  # [num_slots, C + R] (row stride given; STORE)
     loc_ptr,  # [T] slot ids (STORE)
     scale_ptr,  # [1] fp32 (STORE and IS_FP8)
-    l2_ptr,  # L2_NUMEL > 0: a contiguous span prefetched into L2 by the grid (before the wait)
     stride_kv, stride_qt, stride_qh, stride_wh, stride_wk, stride_wn, stride_at, stride_ah,
     stride_lat, stride_pool,
-    C, half, eps, scaling, l2_numel,
+    C, half, eps, scaling,
     NOPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, STORE: tl.constexpr, IS_FP8: tl.constexpr,
-    BLOCK_W: tl.constexpr, FP8_MAX: tl.constexpr, LINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    BLOCK_W: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (n, h, t): q_abs[t, h, n-slice] = q_nope[t, h] @ W_UK[h][:, n-slice]; the
     slice-0 programs rotate q_pe[t, h] into q_abs's last R columns, and program (0, 0, t) makes
-    token t's latent row. The W_UK slice is loaded before the PDL wait, and under PDL the grid
-    asks L2 for the lines of l2_ptr[0:l2_numel] there too."""
+    token t's latent row. The W_UK slice is loaded before the PDL wait."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     t = tl.program_id(2).to(tl.int64)
-    if USE_PDL:
-        num_n, num_h = tl.num_programs(0), tl.num_programs(1)
-        pid = (t * num_h + h) * num_n + pid_n
-        prefetch_span_l2(l2_ptr, l2_numel, pid, num_n * num_h * tl.num_programs(2), LINE, 32)
     offs_k = tl.arange(0, NOPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < C
@@ -234,16 +227,11 @@ def mla_preamble_absorb(
     attention_scaling: float,
     interleaved: bool,
     store: PoolRow | None = None,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mla_preamble` with W_UK applied in the same launch, for a decode step's few tokens
     (at most ABSORB_MAX_TOKENS): q [T, H, NOPE + R] (q_nope, then q_pe; a strided view of the
     projection's output), w_kc [H, NOPE, C] (W_UK) -> the absorbed query q_abs [T, H, C + R]
     (written: q_nope @ W_UK per head, then the rotated q_pe). Returns the latent rows [T, C + R].
-
-    `l2_prefetch` (a contiguous tensor; used under PDL only): weights a later kernel of the
-    step streams (the MoE's shared experts), asked of L2 while attention, which leaves HBM
-    mostly idle, runs.
     """
     num_tokens, num_heads, _ = q.shape
     width = kv_a.shape[1]
@@ -258,17 +246,14 @@ def mla_preamble_absorb(
         return latent
     block_n = 64
     (pool, loc, scale), is_fp8 = _pool_args(store, width, num_tokens, latent, inv_freq)
-    l2 = l2_prefetch if l2_prefetch is not None else w_kc
-    assert l2.is_contiguous()
     launch(
         _mla_preamble_absorb_kernel, (cdiv(c, block_n), num_heads, num_tokens),
-        kv_a, q, w_kc, q_abs, latent, norm_weight, positions, inv_freq, pool, loc, scale, l2,
+        kv_a, q, w_kc, q_abs, latent, norm_weight, positions, inv_freq, pool, loc, scale,
         kv_a.stride(0), q.stride(0), q.stride(1), *w_kc.stride(), q_abs.stride(0),
         q_abs.stride(1), latent.stride(0), pool.stride(0), c, rope // 2, eps,
-        float(attention_scaling), l2.numel() if l2_prefetch is not None else 0,
+        float(attention_scaling),
         NOPE=nope, INTERLEAVED=interleaved, BLOCK_C=next_power_of_2(c),
         BLOCK_J=next_power_of_2(rope // 2), BLOCK_N=block_n, STORE=store is not None,
-        IS_FP8=is_fp8, BLOCK_W=next_power_of_2(width), FP8_MAX=FP8_MAX,
-        LINE=line_elements(l2), num_warps=4, pdl=True,
+        IS_FP8=is_fp8, BLOCK_W=next_power_of_2(width), FP8_MAX=FP8_MAX, num_warps=4, pdl=True,
     )  # fmt: skip
     return latent

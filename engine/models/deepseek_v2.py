@@ -18,7 +18,6 @@ replicated, and one all-reduce sums routed plus shared experts.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, cast
 
 import torch
@@ -126,9 +125,6 @@ class MLAAttention(MergedWeights):
         self.w_vc_scale: torch.Tensor | None = None
         # Tests flip this to run prefill through the absorbed path too.
         self.absorb_extend = False
-        # Weights a later kernel of the layer reads at every decode step (the MoE's shared
-        # experts), asked of L2 by the preamble kernel under PDL (see mla_preamble_absorb).
-        self.l2_prefetch: torch.Tensor | None = None
         # "auto": the preamble kernel (latent norm + RoPE) and in-place query assembly on CUDA,
         # the torch code elsewhere ("triton" / "native" force one, for tests).
         self.kernel = "auto"
@@ -211,7 +207,6 @@ class MLAAttention(MergedWeights):
             latent = mla_preamble_absorb(
                 kv_a, q, self.w_kc, q_abs, norm.weight, norm.eps, positions, rotary.inv_freq,
                 rotary.attention_scaling, rotary.interleaved, store=store,
-                l2_prefetch=self.l2_prefetch,
             )  # fmt: skip
             return self._attend_absorbed(q_abs, latent.unsqueeze(1), fb, fused=True, stored=True)
         latent, q_pe = mla_preamble(
@@ -461,14 +456,6 @@ class DeepseekV2ForCausalLM(DecoderOnlyLM):
         super().post_load()
         for attn in self.mla_layers():
             attn.post_load()
-        if os.environ.get("ENGINE_L2_PREFETCH", "1") == "0":
-            return
-        for layer in self.model.layers:  # the shared experts' gate/up, fetched during attention
-            mlp = layer.mlp
-            if isinstance(mlp, DeepseekMoE) and mlp.shared_experts is not None:
-                weight = mlp.shared_experts.gate_up_proj.weight
-                if weight.is_contiguous():
-                    cast(MLAAttention, layer.self_attn).l2_prefetch = weight
 
     def set_absorbed_weight_dtype(self, name: str, device: torch.device) -> None:
         """Before loading: "fp8_e4m3" makes post_load quantize every layer's w_kc and w_vc."""

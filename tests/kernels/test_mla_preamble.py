@@ -135,10 +135,7 @@ def test_mla_preamble_absorb(
     loc = torch.arange(tokens, device=device) * 2 + 1
     pool = torch.zeros(2 * tokens + 2, rank + rope, dtype=dtype, device=device)
     q_abs = torch.full((tokens, heads, rank + rope), float("nan"), dtype=dtype, device=device)
-    other = torch.randn(3000, generator=g).to(device)  # asked of L2 under PDL: no effect
-    latent = mla_preamble_absorb(
-        kv_a, q, w_kc, q_abs, *args, store=PoolRow(pool, loc, None), l2_prefetch=other
-    )
+    latent = mla_preamble_absorb(kv_a, q, w_kc, q_abs, *args, store=PoolRow(pool, loc, None))
     ref_latent, ref_q = mla_preamble_ref(kv_a, q[..., nope:], *args)
     assert_preamble_close((latent, q_abs[..., rank:]), (ref_latent, ref_q), rope)
     ref_abs = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_kc.float())
