@@ -38,8 +38,8 @@ def test_triton_backend_matches_torch_native(
     assert type(tri.core.runner.attn_backend).__name__ == "TritonBackend"
     if which != "mla" and which.startswith("mla"):
         # MLA's CUDA path: the preamble kernel stores the latent rows. "mla_kernels": every
-        # layer's kernel, as on the GPU (the router and the fused MoE, whose expert outputs
-        # the next norm sums, the absorbed weights inside the preamble and the split merge).
+        # layer's kernel, as on the GPU (the norm with the gate logits, the router and the fused
+        # MoE, the absorbed weights inside the preamble and the split merge).
         layers = [
             m
             for m in tri.core.runner.model.modules()

@@ -51,9 +51,8 @@ def _fused_add_rms_norm_op(
 
 @_fused_add_rms_norm_op.register_fake
 def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    shape = residual.shape  # x may be [T, P, N] parts of a [T, N] row
-    out = x.new_empty(shape, dtype=torch.promote_types(weight.dtype, x.dtype))
-    return out, x.new_empty(shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    return out, x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
 
 
 @torch.library.custom_op("engine::silu_and_mul", mutates_args=())

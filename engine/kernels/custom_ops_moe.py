@@ -154,10 +154,8 @@ def fused_moe(
     topk_ids: Tensor,
     shared_output: Tensor | None = None,
     shared_experts: SharedExperts | None = None,
-    reduce: bool = True,
 ) -> Tensor:
-    """As `engine.kernels.fused_moe.fused_moe` (its default tile config; a compiled forward
-    always reduces)."""
+    """As `engine.kernels.fused_moe.fused_moe` (its default tile config)."""
     if not _tracing():
         return _fused_moe.fused_moe(
             hidden,
@@ -167,8 +165,6 @@ def fused_moe(
             topk_ids,
             shared_output=shared_output,
             shared_experts=shared_experts,
-            reduce=reduce,
         )
-    assert reduce, "a compiled forward sums the experts' outputs inside the MoE"
     gate_up, down = shared_experts if shared_experts is not None else (None, None)
     return _fused_moe_op(hidden, w13, w2, topk_weights, topk_ids, shared_output, gate_up, down)

@@ -397,13 +397,10 @@ def fused_moe(
     config: MoETiles | None = None,
     shared_output: torch.Tensor | None = None,
     shared_experts: SharedExperts | None = None,
-    reduce: bool = True,
 ) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
     topk_weights [T, k]; topk_ids [T, k]; shared_output [T, H] or None. Returns [T, H] =
-    sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum); without
-    `reduce` (and no shared_output) the k weighted terms [T, k, H] unsummed, for the next
-    layer's norm to sum (`engine.kernels.norm.fused_add_rms_norm`).
+    sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum).
 
     With `shared_experts`, ids E..E+n-1 in topk_ids name its n slots (`SharedExperts`).
     `config` overrides the default tiles (the tuner's way to time them). No host sync and no
@@ -438,8 +435,4 @@ def fused_moe(
         act, w2, down_out, weights, align, top_k, hidden_size, False, False, True, tiles.down,
         s2, early_ids=True,
     )  # fmt: skip
-    down_out = down_out.view(num_tokens, top_k, hidden_size)
-    if not reduce:
-        assert shared_output is None, "shared_output joins the sum: reduce"
-        return down_out
-    return _moe_sum(down_out, shared_output)
+    return _moe_sum(down_out.view(num_tokens, top_k, hidden_size), shared_output)

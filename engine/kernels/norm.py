@@ -1,14 +1,9 @@
 """RMSNorm, alone or with the residual add fused in front (SGLang/vLLM's `fused_add_rms_norm`).
 
-One program normalises one row. With the residual add, the input may come as P parts a row
-([T, P, N]: the MoE's top-k expert outputs, already weighted) that the program sums first, in
-fp32 and in order, rounded to their dtype as the MoE's own sum kernel would: the decode step then
-needs no sum launch between the experts and the next layer's norm.
-
-The rounding follows the torch code of `engine.layers.norm` (and transformers): the residual sum
-is rounded to the activations' dtype before it is normalised, the normalised row is rounded to
-that dtype before the weight multiplies it, so the kernel and the torch path differ only in the
-order of the fp32 sum of squares.
+One program normalises one row. The rounding follows the torch code of `engine.layers.norm` (and
+transformers): the residual sum is rounded to the activations' dtype before it is normalised, the
+normalised row is rounded to that dtype before the weight multiplies it, so the kernel and the
+torch path differ only in the order of the fp32 sum of squares.
 """
 
 from __future__ import annotations
@@ -32,28 +27,22 @@ def rms_norm_row(x, w_ptr, offs, mask, N, eps, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [T, N], or [T, PARTS, N] (parts stride_xp apart) summed first
+    x_ptr,  # [T, N]
     res_ptr,  # [T, N] (HAS_RESIDUAL)
     w_ptr,  # [N]
     out_ptr,  # [T, N]
     res_out_ptr,  # [T, N] (HAS_RESIDUAL): x + residual
-    stride_x, stride_xp, stride_res, stride_out, stride_res_out,
+    stride_x, stride_res, stride_out, stride_res_out,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     pdl_wait(USE_PDL)
-    x_row = x_ptr + row * stride_x + offs
-    x = tl.load(x_row, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
-    if PARTS > 1:
-        for p in tl.static_range(1, PARTS):
-            x += tl.load(x_row + p * stride_xp, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(res_out_ptr.dtype.element_ty)
@@ -73,21 +62,15 @@ def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.shape[-1]
-    parts = residual is not None and x.dim() == residual.dim() + 1
-    shape = residual.shape if residual is not None and parts else x.shape
-    if parts:
-        assert residual is not None and x.dim() == 3 and x.stride(2) == 1
-        x2, parts_n, stride_xp = x, x.shape[1], x.stride(1)
-    else:
-        x2, parts_n, stride_xp = _rows(x), 1, 0
+    x2 = _rows(x)
     rows = x2.shape[0]
-    out = torch.empty(shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     out2 = out.view(-1, n)
     res2 = res_out = res_out2 = None
     if residual is not None:
         res2 = _rows(residual)
         res_dtype = torch.promote_types(x.dtype, residual.dtype)
-        res_out = torch.empty(shape, dtype=res_dtype, device=x.device)
+        res_out = torch.empty(x.shape, dtype=res_dtype, device=x.device)
         res_out2 = res_out.view(-1, n)
     if rows == 0:
         return out, res_out
@@ -97,10 +80,10 @@ def _launch(
         _rms_norm_kernel, (rows,),
         x2, res2 if res2 is not None else x2, weight, out2,
         res_out2 if res_out2 is not None else out2,
-        x2.stride(0), stride_xp, res2.stride(0) if res2 is not None else 0, out2.stride(0),
+        x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
         res_out2.stride(0) if res_out2 is not None else 0,
-        n, eps, HAS_RESIDUAL=residual is not None, PARTS=parts_n, BLOCK_N=block_n,
-        num_warps=num_warps, pdl=True,
+        n, eps, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, num_warps=num_warps,
+        pdl=True,
     )  # fmt: skip
     return out, res_out
 
@@ -115,17 +98,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., N]; weight [N] -> (rms_norm(x + residual), x + residual).
 
-    x may also be [T, P, N] against a residual [T, N]: its P parts a row are summed first
-    (`sum_parts`). Out of place (new tensors), so inputs that other code still reads stay intact.
+    Out of place (new tensors), so inputs that other code still reads stay intact.
     """
     out, res_out = _launch(x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
-
-
-def sum_parts(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """x [T, P, N] summed over P as `fused_add_rms_norm` sums it (fp32, in order, rounded to
-    x's dtype) when x has one dim more than the residual [T, N]; else x itself."""
-    if x.dim() != residual.dim() + 1:
-        return x
-    return x.float().sum(1).to(x.dtype)

@@ -184,13 +184,11 @@ class Experts(nn.Module):
         topk_ids: torch.Tensor,
         shared_output: torch.Tensor | None = None,
         shared_experts: SharedExperts | None = None,
-        reduce: bool = True,
     ) -> torch.Tensor:
         """The routed experts' weighted sum, plus `shared_output` (the shared experts' output:
         on the kernel path it joins the final sum instead of costing an add of its own).
         `shared_experts` (kernel path only): the shared MLP's weights, run inside the fused MoE
-        as the experts that topk_ids name past the routed ones. Without `reduce` (kernel path)
-        the weighted terms [T, k, H], unsummed (see `fused_moe`)."""
+        as the experts that topk_ids name past the routed ones."""
         w13, w2 = self.w13_weight, self.w2_weight
         if self.uses_kernel(x):
             return fused_moe(
@@ -201,7 +199,6 @@ class Experts(nn.Module):
                 topk_ids,
                 shared_output=shared_output,
                 shared_experts=shared_experts,
-                reduce=reduce,
             )
         assert shared_experts is None, "the shared experts run inside the fused MoE kernel only"
         # NOTE: the torch code loops over the chosen experts on the host (data-dependent shapes):

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from engine.kernels.custom_ops import fused_add_rms_norm, rms_norm
-from engine.kernels.norm import sum_parts
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,7 +24,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def fused_add_rms_norm_native(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = sum_parts(x, residual) + residual
+    residual = x + residual
     return rms_norm_native(residual, weight, eps), residual
 
 
@@ -49,8 +48,7 @@ class RMSNorm(nn.Module):
     def forward_add(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); x [T, P, H] against a residual [T, H] is P
-        parts a row, summed first (the MoE's expert outputs, see `engine.kernels.norm`)."""
+        """(norm(x + residual), x + residual)."""
         if self.uses_kernel(x):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         return fused_add_rms_norm_native(x, residual, self.weight, self.eps)

@@ -112,8 +112,6 @@ class DecoderLayer(nn.Module):
     takes (x, residual) and returns (mlp_out, residual), and the add that closes each block is
     done by the next norm (`RMSNorm.forward_add`, one kernel on CUDA), the last one by the
     model's final norm. `residual` is None for the first layer: its input is the embedding.
-    An MLP may return its output as parts [T, P, H] (the MoE's expert outputs): that norm sums
-    them too.
     Subclasses set `self_attn`, `mlp`, `input_layernorm` and `post_attention_layernorm`.
     """
 

@@ -334,16 +334,12 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, gate_partials: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, H], or on one GPU with the shared experts folded in, eagerly, the experts'
-        weighted outputs [T, k + shared slots, H] that the next norm sums (DecoderLayer).
-        `gate_partials`: the router's gate logits, computed with the norm (`norm_gate`)."""
+        """`gate_partials`: the router's gate logits, computed with the norm (`norm_gate`)."""
         folded = self._folded_shared_experts(x)
         if folded is not None:
             # One fused MoE call runs the shared experts too, as always-on experts.
             slots = shared_expert_slots(folded, self.experts.intermediate_size)
             weights, ids = self.gate(x, num_shared=slots, gate_partials=gate_partials)
-            if not self.parallel.enabled and not torch.compiler.is_compiling():
-                return self.experts(x, weights, ids, shared_experts=folded, reduce=False)
             out = self.experts(x, weights, ids, shared_experts=folded)
         else:
             weights, ids = self.gate(x, gate_partials=gate_partials)
