@@ -28,10 +28,8 @@ from engine.kernels.utils import (
     cdiv,
     dot,
     is_interpreter,
-    line_elements,
     next_power_of_2,
     pdl_wait,
-    prefetch_rows_l2,
 )
 
 
@@ -210,11 +208,13 @@ def _moe_gemm_kernel(
     HAS_SHARED: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EARLY_IDS: tl.constexpr = False, LINE: tl.constexpr = 64, USE_PDL: tl.constexpr = False,
+    EARLY_IDS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EARLY_IDS: the pair ids and alignment were written two or more launches back (the down
-    GEMM: router, gate/up, down), so under PDL the block's expert is known before the wait and
-    its weight rows are prefetched into L2 while the gate/up GEMM finishes."""
+    GEMM: router, gate/up, down), so under PDL they are read before the wait. (Prefetching the
+    block's expert rows into L2 there too made the batch-1 step slower on the H200, 2.20
+    against 2.07 ms: the 46 MB competed with the gate/up GEMM's stream and were mostly evicted
+    by it before use.)"""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if not EARLY_IDS:
@@ -242,12 +242,6 @@ def _moe_gemm_kernel(
             bn = tl.cast(s_stride_bn, tl.int64)
             up = tl.cast(s_up, tl.int64)
     if EARLY_IDS:
-        if USE_PDL:
-            if found:
-                rows = b_base + offs_n.to(tl.int64) * bn
-                prefetch_rows_l2(rows, mask_n, K, LINE, 32)
-                if GATED:
-                    prefetch_rows_l2(rows + up, mask_n, K, LINE, 32)
         pdl_wait(USE_PDL)
     if not found:
         return
@@ -336,7 +330,7 @@ def _moe_gemm(
         # would be built at the first decode of each size when no graph captured it).
         BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS), BLOCK_E=block_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
-        EARLY_IDS=early_ids, LINE=line_elements(b), num_warps=cfg.num_warps,
+        EARLY_IDS=early_ids, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, pdl=True,
     )  # fmt: skip
 
