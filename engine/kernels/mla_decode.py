@@ -31,12 +31,14 @@ from engine.kernels.utils import (
     dot,
     has_fp8_cvt,
     is_interpreter,
+    load_head_slice,
     merge_blocks,
     merge_row,
     merge_splits,
     next_power_of_2,
     online_softmax_step,
     pdl_wait,
+    row_product,
     split_bounds,
     store_split,
 )
@@ -221,15 +223,13 @@ def _merge_project_kernel(
     offs_c = tl.arange(0, C)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
-    w_ptrs = w_ptr + h * stride_wh + offs_c[:, None] * stride_wc + offs_v[None, :] * stride_wv
-    w = tl.load(w_ptrs, mask=mask_v[None, :], other=0.0)
+    w = load_head_slice(w_ptr, h, stride_wh, stride_wc, stride_wv, offs_c, offs_v, mask_v)
     pdl_wait(USE_PDL)
     x = merge_row(
         mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh,
         num_splits, stride_mos, offs_c, BLOCK_S, BLOCK_SA,
     )  # fmt: skip
-    x = x.to(y_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.sum(x[:, None] * w.to(tl.float32), 0)
+    y = row_product(x.to(y_ptr.dtype.element_ty), w)
     y_ptrs = y_ptr + b * stride_yb + h * stride_yh + offs_v
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_v)
 

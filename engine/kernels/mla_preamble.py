@@ -28,7 +28,7 @@ from engine.kernels.kv_store import store_row
 from engine.kernels.launch import launch
 from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
-from engine.kernels.utils import cdiv, next_power_of_2, pdl_wait
+from engine.kernels.utils import cdiv, load_head_slice, next_power_of_2, pdl_wait, row_product
 
 # Tokens up to which `mla_preamble_absorb` serves (a decode step's few rows).
 ABSORB_MAX_TOKENS = 8
@@ -133,13 +133,11 @@ def _mla_preamble_absorb_kernel(
     offs_k = tl.arange(0, NOPE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < C
-    w_ptrs = w_kc_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    w_uk = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+    w_uk = load_head_slice(w_kc_ptr, h, stride_wh, stride_wk, stride_wn, offs_k, offs_n, mask_n)
     pdl_wait(USE_PDL)
     q_row = q_ptr + t * stride_qt + h * stride_qh
     q_abs_row = q_abs_ptr + t * stride_at + h * stride_ah
-    x = tl.load(q_row + offs_k).to(tl.float32)
-    y = tl.sum(x[:, None] * w_uk.to(tl.float32), 0)
+    y = row_product(tl.load(q_row + offs_k), w_uk)
     tl.store(q_abs_row + offs_n, y.to(q_abs_ptr.dtype.element_ty), mask=mask_n)
     if pid_n == 0:
         offs_j = tl.arange(0, BLOCK_J)

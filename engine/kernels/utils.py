@@ -119,6 +119,21 @@ def prefetch_rows_l2(row_ptrs, mask_rows, K, LINE: tl.constexpr, BLOCK_L: tl.con
         prefetch_l2(row_ptrs[:, None] + cols[None, :], mask_rows[:, None] & (cols < K)[None, :])
 
 
+@triton.jit
+def load_head_slice(w_ptr, h, stride_h, stride_k, stride_n, offs_k, offs_n, mask_n):
+    """Columns offs_n (zero past mask_n) of head h's [K, N] matrix in a per-head weight
+    [H, K, N] (any strides): what a (slice, head) program of a one-row product loads, before
+    its PDL wait."""
+    ptrs = w_ptr + h * stride_h + offs_k[:, None] * stride_k + offs_n[None, :] * stride_n
+    return tl.load(ptrs, mask=mask_n[None, :], other=0.0)
+
+
+@triton.jit
+def row_product(x, w):
+    """One row x [K] @ w [K, N] -> [N] fp32, on the CUDA cores (no padded MMA tile)."""
+    return tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), 0)
+
+
 def line_elements(t: torch.Tensor) -> int:
     """Elements of t's dtype in a 128-byte cache line (prefetch_* helpers' LINE)."""
     return max(1, 128 // t.element_size())
