@@ -44,8 +44,10 @@ from engine.kernels.utils import (
 )
 
 _LOG2E = 1.4426950408889634
-# Batches up to this size merge the splits and apply the value projection in one kernel.
-MERGE_PROJECT_MAX_ROWS = 8
+# Batches up to this size merge the splits and apply the value projection in one kernel. Each
+# request's programs read the whole weight again (from L2 after the first), so a larger batch
+# goes back to the merge and one GEMM: timed on the H200 at batch 1 only (perf/RESULTS.md).
+MERGE_PROJECT_MAX_ROWS = 4
 
 
 @triton.jit

@@ -30,8 +30,9 @@ from engine.kernels.norm import rms_norm_row
 from engine.kernels.rope import rope_cos_sin, rope_heads
 from engine.kernels.utils import cdiv, load_head_slice, next_power_of_2, pdl_wait, row_product
 
-# Tokens up to which `mla_preamble_absorb` serves (a decode step's few rows).
-ABSORB_MAX_TOKENS = 8
+# Tokens up to which `mla_preamble_absorb` serves (a decode step's few rows: each token's
+# programs read all of W_UK again, from L2 after the first; timed at one token on the H200).
+ABSORB_MAX_TOKENS = 4
 
 
 class PoolRow(NamedTuple):
