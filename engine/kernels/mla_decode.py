@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.small_gemm import MAX_ROWS as SMALL_GEMM_ROWS
-from engine.kernels.small_gemm import small_matmul
+from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
     cdiv,
@@ -45,9 +44,12 @@ from engine.kernels.utils import (
 
 _LOG2E = 1.4426950408889634
 # Batches up to this size merge the splits and apply the value projection in one kernel. Each
-# request's programs read the whole weight again (from L2 after the first), so a larger batch
-# goes back to the merge and one GEMM: timed on the H200 at batch 1 only (perf/RESULTS.md).
+# request's programs read the whole weight again (from L2 after the first), and each head's
+# splits are merged once per value slice, so larger batches and more heads (128: 16 MB of
+# partial outputs a request at 64 splits) go back to the merge and one GEMM. Timed on the H200
+# at batch 1 with 16 heads only (perf/RESULTS.md).
 MERGE_PROJECT_MAX_ROWS = 4
+MERGE_PROJECT_MAX_HEADS = 16
 
 
 @triton.jit
@@ -254,9 +256,9 @@ def _merge_project(
 
 
 def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [B, H, C] @ w [H, C, V] per head -> [B, H, V]."""
+    """x [B, H, C] @ w [H, C, V] per head -> [B, H, V] (the small-M kernel where it serves)."""
     y = x.new_empty(x.shape[0], x.shape[1], w.shape[2])
-    if x.shape[0] <= SMALL_GEMM_ROWS:
+    if small_gemm_wanted(x.transpose(0, 1), w):
         small_matmul(x.transpose(0, 1), w, out=y.transpose(0, 1))
     else:
         torch.bmm(x.transpose(0, 1), w, out=y.transpose(0, 1))
@@ -323,10 +325,19 @@ def _launch(
         )  # fmt: skip
     block_h = min(cfg.block_h, max(16, next_power_of_2(num_heads)))
 
-    out = torch.empty((batch, num_heads, c), dtype=q.dtype, device=q.device)
+    if value_proj is not None:
+        assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
+    # Few requests of few heads: the merge and the value projection in one launch.
+    merge_project = (
+        value_proj is not None
+        and num_kv_splits > 1
+        and batch <= MERGE_PROJECT_MAX_ROWS
+        and num_heads <= MERGE_PROJECT_MAX_HEADS
+    )
+    out = None if merge_project else q.new_empty(batch, num_heads, c)
     mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     # One split: stage 1 writes the final output itself and there is nothing to merge.
-    if num_kv_splits == 1:
+    if out is not None and num_kv_splits == 1:
         mid_o = out.unsqueeze(2)
     else:
         mid_o = torch.empty(
@@ -370,12 +381,11 @@ def _launch(
         num_stages=cfg.num_stages,
         pdl=True,
     )
-    if value_proj is not None:
-        assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
-        if num_kv_splits > 1 and batch <= MERGE_PROJECT_MAX_ROWS:
-            y = q.new_empty(batch, num_heads, value_proj.shape[2])
-            _merge_project(mid_o, mid_lse, value_proj, y)
-            return y
+    if out is None:
+        assert value_proj is not None
+        y = q.new_empty(batch, num_heads, value_proj.shape[2])
+        _merge_project(mid_o, mid_lse, value_proj, y)
+        return y
     if num_kv_splits > 1:
         merge_splits(mid_o, mid_lse, out)
     return out if value_proj is None else _project(out, value_proj)

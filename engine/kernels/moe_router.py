@@ -44,8 +44,9 @@ from engine.kernels.utils import (
 # tiles and the router sums the splits' partial logits.
 FUSE_GATE_MAX_BYTES = 512 * 1024
 FUSE_GATE_MIN_TOKENS = 1024
-# Tokens up to which `norm_gate_logits` serves (a decode step's few rows).
-NORM_GATE_MAX_TOKENS = 8
+# Tokens up to which `norm_gate_logits` serves (a decode step's few rows: each token's programs
+# read the gate slices again, from L2 after the first; timed at one token on the H200).
+NORM_GATE_MAX_TOKENS = 4
 GATE_BLOCK_T, GATE_BLOCK_E, GATE_BLOCK_H = 16, 16, 128
 
 
@@ -320,7 +321,7 @@ def norm_gate_logits(
     assert x.stride(1) == 1 and residual.stride(1) == 1 and gate_weight.stride(1) == 1
     out = torch.empty_like(x, dtype=torch.promote_types(norm_weight.dtype, x.dtype))
     res_out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
-    splits = gate_logit_splits(num_tokens, num_experts, hidden)
+    splits = gate_logit_splits(max(num_tokens, 1), num_experts, hidden)
     h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
     splits = cdiv(hidden, h_split)
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)

@@ -356,7 +356,9 @@ class DeepseekMoE(nn.Module):
             return None
         if not (norm.uses_kernel(x) and self.gate.uses_kernel(x)) or x.dim() != 2:
             return None
-        if not (x.dtype == residual.dtype == norm.weight.dtype) or x.stride(1) != 1:
+        if not (x.dtype == residual.dtype == norm.weight.dtype):
+            return None
+        if x.stride(1) != 1 or residual.stride(1) != 1 or x.shape[0] == 0:
             return None
         return norm_gate_logits(x, residual, norm.weight, norm.eps, self.gate.weight)
 
