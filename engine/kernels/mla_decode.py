@@ -5,7 +5,8 @@ After weight absorption every query head attends to the same latent KV row
 *group* of query heads and each KV tile it loads is used by the whole group. The context is cut
 into `num_kv_splits` pieces (stage 1, one program per (head group, split, request)); stage 2
 merges the partial outputs with their log-sum-exp. The split count is picked from batch, heads
-and context so that small batches still fill the GPU.
+and context so that small batches still fill the GPU. With `value_proj` (MLA's W_UV) the output
+is projected per head too; at a few requests stage 2 does that in the same launch.
 
 Slots are read through a table: `req_to_token` (page size 1, one slot id per position) or a
 FlashMLA-style `block_table` (page size 64, one page id per 64 positions). FP8 (e4m3) caches are

@@ -9,7 +9,9 @@ The same kernel on the dense projections (the fused q / kv_a projection, o_proj)
 than cuBLAS at 1-16 rows (7.2 against 6.5 us, 6.4 against 6.0 us), so those stay on cuBLAS.
 
 `small_matmul(x, w, out)` takes any strides: W_UK as stored [H, K, N], W_UV as a transposed
-view of its [H, N, K], the output a strided view of the absorbed query buffer.
+view of its [H, N, K], the output a strided view of the absorbed query buffer. At 1-4 tokens
+the engine applies both inside other launches instead (W_UK in `mla_preamble_absorb`, W_UV with
+the split merge in `mla_decode`'s value projection), so this serves 5-16.
 """
 
 from __future__ import annotations
