@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
+from engine.kernels.norm import rms_inv, rms_scale_row
 from engine.kernels.utils import (
     INTERPRET_UPCAST,
     cdiv,
@@ -132,15 +133,13 @@ def _norm_gate_kernel(
     x = tl.load(x_row + offs, mask=mask, other=0.0)
     r = tl.load(res_row + offs, mask=mask, other=0.0)
     row = (x.to(tl.float32) + r.to(tl.float32)).to(res_dtype).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(row * row, 0) / H + eps)
+    inv_rms = rms_inv(row, H, eps)
     # This split's slice again (from L1): a register row cannot be sliced.
     xs = tl.load(x_row + offs_hs, mask=mask_hs, other=0.0)
     rs = tl.load(res_row + offs_hs, mask=mask_hs, other=0.0)
     ss = (xs.to(tl.float32) + rs.to(tl.float32)).to(res_dtype)
-    nw = tl.load(norm_w_ptr + offs_hs, mask=mask_hs, other=0.0).to(tl.float32)
-    normed = ((ss.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * nw).to(
-        out_ptr.dtype.element_ty
-    )
+    normed = rms_scale_row(ss.to(tl.float32), inv_rms, norm_w_ptr, offs_hs, mask_hs, x.dtype)
+    normed = normed.to(out_ptr.dtype.element_ty)
     if tl.program_id(1) == 0:
         tl.store(out_ptr + t * stride_out + offs_hs, normed, mask=mask_hs)
         tl.store(res_out_ptr + t * stride_res_out + offs_hs, ss, mask=mask_hs)
@@ -276,6 +275,13 @@ def gate_logit_splits(num_tokens: int, num_experts: int, hidden: int) -> int:
     return max(1, min(16, hidden // 256, 128 // tiles))
 
 
+def _gate_split(hidden: int, splits: int) -> tuple[int, int]:
+    """(h_split, splits used): each of `splits` slices of H rounded up to whole GATE_BLOCK_H
+    tiles, and how many slices that leaves nonempty."""
+    h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
+    return h_split, cdiv(hidden, h_split)
+
+
 def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch.Tensor:
     """x [T, H] @ weight [E, H]^T -> [splits, T, E] float32 partial sums over `splits` slices
     of H (fp32 accumulation, 16-bit tensor cores when x and weight share a 16-bit dtype)."""
@@ -285,8 +291,7 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return logits
-    h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
-    splits_used = cdiv(hidden, h_split)
+    h_split, splits_used = _gate_split(hidden, splits)
     if splits_used < splits:  # rounding left the last splits empty: they hold zeros
         logits[splits_used:].zero_()
     grid = (
@@ -321,9 +326,8 @@ def norm_gate_logits(
     assert x.stride(1) == 1 and residual.stride(1) == 1 and gate_weight.stride(1) == 1
     out = torch.empty_like(x, dtype=torch.promote_types(norm_weight.dtype, x.dtype))
     res_out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
-    splits = gate_logit_splits(max(num_tokens, 1), num_experts, hidden)
-    h_split = cdiv(cdiv(hidden, splits), GATE_BLOCK_H) * GATE_BLOCK_H
-    splits = cdiv(hidden, h_split)
+    wanted = gate_logit_splits(max(num_tokens, 1), num_experts, hidden)
+    h_split, splits = _gate_split(hidden, wanted)
     logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out, res_out, logits

@@ -17,12 +17,24 @@ from engine.kernels.utils import next_power_of_2, pdl_wait
 
 
 @triton.jit
+def rms_inv(x, N, eps):
+    """1 / rms of one row x [BLOCK_N] fp32 (zero where masked) of N values."""
+    return tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+
+
+@triton.jit
+def rms_scale_row(x, inv_rms, w_ptr, offs, mask, dtype: tl.constexpr):
+    """x fp32 (a row, or a slice of one at offs) -> weight * x * inv_rms in fp32, the
+    normalised values rounded to `dtype` first, as the torch code does."""
+    normed = (x * inv_rms).to(dtype).to(tl.float32)
+    return normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def rms_norm_row(x, w_ptr, offs, mask, N, eps, dtype: tl.constexpr):
     """One row x [BLOCK_N] fp32 (zero where masked) -> weight * rms_norm(x) in fp32, the
     normalised row rounded to `dtype` first, as the torch code does."""
-    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    normed = (x * inv_rms).to(dtype).to(tl.float32)
-    return normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return rms_scale_row(x, rms_inv(x, N, eps), w_ptr, offs, mask, dtype)
 
 
 @triton.jit

@@ -358,7 +358,7 @@ class DeepseekMoE(nn.Module):
             return None
         if not (x.dtype == residual.dtype == norm.weight.dtype):
             return None
-        if x.stride(1) != 1 or residual.stride(1) != 1 or x.shape[0] == 0:
+        if x.stride(1) != 1 or residual.stride(1) != 1:
             return None
         return norm_gate_logits(x, residual, norm.weight, norm.eps, self.gate.weight)
 
