@@ -15,13 +15,10 @@ from transformers import (
 )
 
 from engine.layers.sampler import (
-    ARGMAX_CHUNK,
-    ARGMAX_TWO_STAGE_ROWS,
     Sampler,
     SamplingBatchInfo,
     apply_repetition_penalty,
     filter_probs,
-    first_argmax,
     make_generator,
 )
 from engine.sampling_params import SamplingParams
@@ -47,34 +44,6 @@ def test_greedy_is_exact_argmax() -> None:
     out = run(logits, [SamplingParams(temperature=0.0)] * 6)
     assert torch.equal(out, logits.argmax(dim=-1))
     assert out[2].item() == 10
-
-
-@pytest.mark.parametrize("width", [4 * ARGMAX_CHUNK, 5 * ARGMAX_CHUNK + 37])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-def test_first_argmax_is_argmax(width: int, dtype: torch.dtype, device: str) -> None:
-    """The two-stage argmax of a few long rows gives torch.argmax's index: ties across and
-    within chunks (the first wins), NaN (the largest), an all -inf row, a width that is no
-    multiple of the chunk, the most rows it takes, and no rows."""
-    g = torch.Generator().manual_seed(width)
-    x = torch.randn(7, width, generator=g).to(dtype)
-    top = float(x.float().max()) + 1.0
-    x[1, 3 * ARGMAX_CHUNK + 5] = x[1, ARGMAX_CHUNK + 9] = top  # tie across chunks
-    x[2, 17] = x[2, 19] = top  # tie within a chunk
-    x[3, 2 * ARGMAX_CHUNK + 1] = float("nan")
-    x[3, width - 1] = float("nan")
-    x[4] = float("-inf")
-    x[5, width - 1] = top  # the last real column (next to the pads)
-    x = x.to(device)
-    want = torch.argmax(x, dim=-1)
-    assert torch.equal(first_argmax(x), want)
-    assert want[1] == ARGMAX_CHUNK + 9 and want[2] == 17 and want[4] == 0
-    most = torch.randn(ARGMAX_TWO_STAGE_ROWS, width, generator=g).to(dtype).to(device)
-    peak = float(most.float().max()) + 1.0
-    most[:, ARGMAX_CHUNK + 3] = most[:, 3 * ARGMAX_CHUNK] = peak  # each row ties across chunks
-    assert torch.equal(first_argmax(most), torch.argmax(most, dim=-1))
-    assert first_argmax(most).eq(ARGMAX_CHUNK + 3).all()
-    assert first_argmax(most[:0]).shape == (0,)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

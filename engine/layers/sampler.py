@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.kernels.argmax import argmax_rows
 from engine.sampling_params import SamplingParams
 
 
@@ -31,25 +32,14 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str)
     return host.pin_memory().to(device, non_blocking=True)
 
 
-ARGMAX_CHUNK = 1024  # first_argmax's chunk of a row
-ARGMAX_TWO_STAGE_ROWS = 16  # up to this many rows (more rows fill the GPU one block each)
-
-
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of x [B, V], the same index (the first of equal maxima, NaN the
-    largest), in two stages for a few long rows: torch reduces each row with one thread block,
-    which took 22.7 us for one row of 102,400 on an H200 (a batch-1 decode step's logits). The
-    row is cut into chunks of ARGMAX_CHUNK, every chunk's max found at once, then the first
-    chunk holding the row's max and the first index of it there."""
-    rows, width = x.shape
-    if rows == 0 or rows > ARGMAX_TWO_STAGE_ROWS or width < 4 * ARGMAX_CHUNK:
-        return torch.argmax(x, dim=-1)
-    pad = -width % ARGMAX_CHUNK
-    if pad:  # -inf pads are never the first maximum: a real column comes first
-        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
-    chunk_max, within = x.view(rows, -1, ARGMAX_CHUNK).max(dim=-1)
-    chunk = torch.argmax(chunk_max, dim=-1, keepdim=True)
-    return (chunk * ARGMAX_CHUNK + within.gather(1, chunk)).view(rows)
+    largest), on CUDA in one kernel (`engine.kernels.argmax`):
+    torch reduces each row with one thread block (22.7 us for one row of 102,400 on an H200, a
+    batch-1 decode step's logits), and a two-stage torch form still took five kernels."""
+    if x.is_cuda:
+        return argmax_rows(x)
+    return torch.argmax(x, dim=-1)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
