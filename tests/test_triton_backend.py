@@ -5,31 +5,15 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes s
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models import deepseek_v2
 from engine.models.deepseek_v2 import MLAAttention
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
 PROMPTS = [[100 + 7 * i + j for j in range(5 + 6 * i)] for i in range(3)]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
-    """Replace module.name with a wrapper that records each call; returns the record."""
-    calls: list[int] = []
-    real = getattr(module, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 def _models(request: pytest.FixtureRequest) -> dict[str, str]:
@@ -45,7 +29,7 @@ def _models(request: pytest.FixtureRequest) -> dict[str, str]:
     "kv_cache_dtype", ["auto", pytest.param("fp8_e4m3", marks=pytest.mark.cuda)]
 )
 def test_triton_backend_matches_torch_native(
-    which: str, kv_cache_dtype: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    which: str, kv_cache_dtype: str, request: pytest.FixtureRequest
 ) -> None:
     model = _models(request)[which.split("_")[0]]
     common = dict(dtype="float32", max_total_tokens=256, kv_cache_dtype=kv_cache_dtype)
@@ -79,13 +63,6 @@ def test_triton_backend_matches_torch_native(
     got = tri.generate(PROMPTS, PARAMS)
     for e, g in zip(expected, got, strict=True):
         assert g.token_ids == e.token_ids
-    if which == "mla_kernels":  # a lone request: one-token decode steps (the norm in the GEMV)
-        calls = _count_calls(monkeypatch, deepseek_v2, "add_norm_gemv")
-        short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        lone = tri.generate(PROMPTS[0], short)[0].token_ids
-        assert lone == ref.generate(PROMPTS[0], short)[0].token_ids
-        if not torch.cuda.is_available():  # (on CUDA the graphs captured before the spy run)
-            assert calls, "no decode step took the norm inside the q / kv_a GEMV"
     # MLA's fused path stores decode rows from the preamble kernel, never through store_kv.
     # (On CUDA, decode steps replay graphs captured before the spy: only the CPU run sees
     # their calls.)

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.norm import rms_inv, rms_scale_row
 from engine.kernels.utils import cdiv, is_interpreter, next_power_of_2, pdl_wait
 
 MAX_ROWS = 4
@@ -77,16 +76,13 @@ def _gemv_kernel(
     w_ptr,  # [N, K] (row stride given)
     bias_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N] (row stride given)
-    res_ptr, norm_w_ptr, res_out_ptr,  # ADD_NORM: residual [K], norm weight [K], x + residual
-    N, K, stride_xm, stride_wn, stride_ym, eps,
-    ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    N, K, stride_xm, stride_wn, stride_ym,
+    ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program n: y[:, n-slice], each weight row's dot with each of the ROWS input rows. The
     first weight tile (all of K up to BLOCK_K) is loaded before the PDL wait, while the kernel
-    before this one still runs. ADD_NORM (one row, K in one tile): the input row is
-    rms_norm(x + residual) (`engine.kernels.norm.fused_add_rms_norm`), made by every program
-    from the two rows; program 0 also stores x + residual."""
+    before this one still runs."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -96,18 +92,7 @@ def _gemv_kernel(
     w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-    if ADD_NORM:
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + offs_k, s, mask=mask_k)
-        s = s.to(tl.float32)
-        normed = rms_scale_row(s, rms_inv(s, K, eps), norm_w_ptr, offs_k, mask_k, x.dtype)
-        part = tl.sum(w.to(tl.float32) * normed.to(x.dtype).to(tl.float32)[None, :], 1)
-        acc += tl.where(offs_r[:, None] == 0, part[None, :], 0.0)
-    else:
-        acc = _gemv_tile(acc, w, x_ptr, 0, offs_k, mask_k, offs_r, stride_xm, ROWS)
+    acc = _gemv_tile(acc, w, x_ptr, 0, offs_k, mask_k, offs_r, stride_xm, ROWS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         mask_k = offs_k < K - k0
@@ -137,49 +122,13 @@ def gemv(
     assert out.shape == (m, n) and out.stride(1) == 1
     if m == 0:
         return out
-    _launch_gemv(x, weight, bias, out, config, None)
-    return out
-
-
-def add_norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's fused add + RMSNorm and the projection after it, in one launch: x, residual
-    [1, K] -> (F.linear(rms_norm(x + residual) * norm_weight, weight) [1, N], x + residual),
-    the norm as `engine.kernels.norm.fused_add_rms_norm` computes it. K fits one tile
-    (MAX_BLOCK_K); x, residual and the norm weight share a dtype."""
-    m, k = x.shape
-    assert m == 1 and residual.shape == x.shape and k <= MAX_BLOCK_K
-    assert x.dtype == residual.dtype == norm_weight.dtype and norm_weight.shape == (k,)
-    assert weight.shape[1] == k and weight.stride(1) == 1
-    assert x.stride(1) == 1 and residual.stride(1) == 1 and norm_weight.stride(0) == 1
-    out = x.new_empty(1, weight.shape[0])
-    res_out = torch.empty_like(x)
-    _launch_gemv(x, weight, None, out, None, (residual, norm_weight, res_out, eps))
-    return out, res_out
-
-
-def _launch_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    config: GemvConfig | None,
-    add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None,
-) -> None:
-    (m, k), n = x.shape, weight.shape[0]
     cfg = config or default_config(n, k)
-    res, norm_w, res_out, eps = add_norm or (x, x, x, 0.0)
     launch(
         _gemv_kernel, (cdiv(n, cfg.block_n),),
-        x, weight, bias if bias is not None else weight, out, res, norm_w, res_out, n, k,
-        x.stride(0), weight.stride(0), out.stride(0), eps,
-        ROWS=m, HAS_BIAS=bias is not None, ADD_NORM=add_norm is not None,
-        BLOCK_R=max(2, next_power_of_2(m)), BLOCK_N=cfg.block_n,
-        BLOCK_K=min(MAX_BLOCK_K, max(16, next_power_of_2(k))), num_warps=cfg.num_warps,
-        pdl=True,
+        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0),
+        weight.stride(0), out.stride(0),
+        ROWS=m, HAS_BIAS=bias is not None, BLOCK_R=max(2, next_power_of_2(m)),
+        BLOCK_N=cfg.block_n, BLOCK_K=min(MAX_BLOCK_K, max(16, next_power_of_2(k))),
+        num_warps=cfg.num_warps, pdl=True,
     )  # fmt: skip
+    return out

@@ -127,24 +127,13 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         fb: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.attention_block(positions, x, residual, fb)
-        return self.mlp_block(x, residual)
-
-    def attention_block(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        fb: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention after its norm, which closes the previous layer's residual add (the
-        first layer's input is the embedding: no add)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
-        return self.self_attn(positions, x, fb), residual
+        x = self.self_attn(positions, x, fb)
+        return self.mlp_block(x, residual)
 
     def mlp_block(
         self, x: torch.Tensor, residual: torch.Tensor

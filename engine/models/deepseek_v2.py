@@ -30,7 +30,6 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.custom_ops import mla_preamble
 from engine.kernels.custom_ops_fp8 import bmm_fp8
 from engine.kernels.fused_moe import SharedExperts, shared_expert_slots
-from engine.kernels.gemv import MAX_BLOCK_K, add_norm_gemv, gemv_wanted
 from engine.kernels.mla_preamble import ABSORB_MAX_TOKENS, mla_preamble_absorb
 from engine.kernels.moe_router import NORM_GATE_MAX_TOKENS, norm_gate_logits
 from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
@@ -159,38 +158,16 @@ class MLAAttention(MergedWeights):
             self.w_vc, self.w_vc_scale = quantize_per_channel(self.w_vc, reduce_dim=2)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t, h = x.shape[0], self.num_heads
         fused = self.fused_qkv_a_proj_with_mqa
-        return self._forward_a(positions, linear(x, fused.weight, fused.bias, self.kernel), fb)
-
-    def forward_add_norm(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        norm: RMSNorm,
-        fb: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`forward(norm.forward_add(x, residual)[0])` and the residual sum, with the add + norm
-        inside the q / kv_a projection's launch (one token on the GEMV kernel), else None."""
-        fused = self.fused_qkv_a_proj_with_mqa
-        if fused.bias is not None or x.shape[-1] > MAX_BLOCK_K or not norm.uses_kernel(x):
-            return None
-        if not (gemv_wanted(x, fused.weight, self.kernel) and residual.shape == x.shape):
-            return None
-        if not (x.dtype == residual.dtype == norm.weight.dtype) or residual.stride(-1) != 1:
-            return None
-        a, residual = add_norm_gemv(x, residual, norm.weight, norm.eps, fused.weight)
-        return self._forward_a(positions, a, fb), residual
-
-    def _forward_a(self, positions: torch.Tensor, a: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """The layer after the fused q / kv_a projection, from its output a [T, q_a + r + rope]."""
-        t, h = a.shape[0], self.num_heads
-        q, kv_a = a.split([self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+        q, kv_a = linear(x, fused.weight, fused.bias, self.kernel).split(
+            [self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+        )
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, h, -1)  # a view of the fused output's rows without a query LoRA
         absorbed = fb.is_decode or self.absorb_extend
-        if self.kernel == "triton" or (self.kernel == "auto" and a.is_cuda):
+        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
             out = self._forward_fused(positions, q, kv_a, absorbed, fb)
         else:
             q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -408,8 +385,6 @@ def _num_routed_experts(hf: Any) -> int:
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    self_attn: MLAAttention
-
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, parallel: ParallelState
     ) -> None:
@@ -424,21 +399,6 @@ class DeepseekDecoderLayer(DecoderLayer):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def attention_block(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        fb: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """At one token, the norm inside the q / kv_a projection's launch
-        (MLAAttention.forward_add_norm)."""
-        if residual is not None:
-            fused = self.self_attn.forward_add_norm(positions, x, residual, self.input_layernorm, fb)
-            if fused is not None:
-                return fused
-        return super().attention_block(positions, x, residual, fb)
 
     def mlp_block(
         self, x: torch.Tensor, residual: torch.Tensor
