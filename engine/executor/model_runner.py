@@ -208,7 +208,8 @@ class ModelRunner:
             size //= 4
         prefix = 16
         for n in sizes:
-            self.forward(ScheduledBatch(ForwardMode.EXTEND, [BatchEntry(0, [0] * n, 0, [0] * n)]))
+            batch = ScheduledBatch(ForwardMode.EXTEND, [BatchEntry(0, [0] * n, 0, [0] * n)])
+            first_argmax(self.forward(batch))  # the greedy draw's kernels too
             half = max(16, n // 2 // 16 * 16)
             if half + prefix >= self.max_context_len or self.max_running_requests < 2:
                 continue

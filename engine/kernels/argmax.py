@@ -1,12 +1,13 @@
-"""Greedy sampling's arg-max over each row of the logits, in one launch.
+"""Greedy sampling's arg-max over each row of the logits, in two small launches.
 
 `argmax_rows(x)` equals `torch.argmax(x, dim=-1)` for x [B, V]: the first index of the row's
-maximum, a NaN counting as the largest value (the first NaN wins). One program reads one row
-in BLOCK-wide slices, each lane keeping the largest value it has seen and where (a strictly
-larger value replaces it, so a lane keeps its first maximum); the row's answer is the lowest
-index among the lanes that hold the row's maximum. A decode step's greedy draw was five torch
-kernels (the chunk maxima, their arg-max, a gather and the index arithmetic), about 16 us at
-one row of 102,400 on the H200.
+maximum, a NaN counting as the largest value (the first NaN wins). Program (row, c) of the
+first kernel finds slice c's answer (its maximum and the first index of it, or its first NaN);
+one program per row of the second picks the row's answer among its slices (the first slice
+holding a NaN, else the first holding the row's maximum). A decode step's greedy draw was five
+torch kernels (the slice maxima, their arg-max, a gather and the index arithmetic), about
+16 us at one row of 102,400 on the H200; one program per row took 14 us there, reading the row
+alone.
 """
 
 from __future__ import annotations
@@ -16,31 +17,43 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launch import launch
-from engine.kernels.utils import next_power_of_2
+from engine.kernels.utils import cdiv, next_power_of_2
 
-MAX_BLOCK = 8192  # elements of a row one program reads at a time
+SLICE = 4096  # elements of a row one program of the first kernel reads
 
 
 @triton.jit
-def _argmax_rows_kernel(x_ptr, out_ptr, width, stride_x, BLOCK: tl.constexpr):
+def _first_max(vals, idx, big):
+    """(value, index) of the first NaN in vals, else of the first maximum (big: no index)."""
+    nan = vals != vals
+    nan_at = tl.min(tl.where(nan, idx, big), 0)
+    top = tl.max(tl.where(nan, float("-inf"), vals), 0)
+    top_at = tl.min(tl.where(vals == top, idx, big), 0)
+    return tl.where(nan_at < big, float("nan"), top), tl.where(nan_at < big, nan_at, top_at)
+
+
+@triton.jit
+def _slice_argmax_kernel(x_ptr, val_ptr, idx_ptr, width, stride_x, num_slices,
+                         SLICE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    base = x_ptr + row * stride_x
-    big = width  # past every real index
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = offs  # an all -inf row answers 0, as torch does
-    first_nan = tl.full([BLOCK], 0, dtype=tl.int32) + big
-    for start in range(0, width, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < width, other=float("-inf")).to(tl.float32)
-        first_nan = tl.minimum(first_nan, tl.where(x != x, idx, big))
-        better = x > best  # False for NaN, and for a later equal value
-        best = tl.where(better, x, best)
-        best_idx = tl.where(better, idx, best_idx)
-    top = tl.max(best, 0)
-    first_top = tl.min(tl.where(best == top, best_idx, big), 0)
-    nan_at = tl.min(first_nan, 0)
-    tl.store(out_ptr + row, tl.where(nan_at < big, nan_at, first_top).to(tl.int64))
+    c = tl.program_id(1)
+    idx = c * SLICE + tl.arange(0, SLICE)
+    mask = idx < width
+    x = tl.load(x_ptr + row * stride_x + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    val, at = _first_max(x, tl.where(mask, idx, width), width)
+    tl.store(val_ptr + row * num_slices + c, val)
+    tl.store(idx_ptr + row * num_slices + c, at)
+
+
+@triton.jit
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, width, num_slices, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < num_slices
+    vals = tl.load(val_ptr + row * num_slices + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * num_slices + offs, mask=mask, other=width)
+    _, at = _first_max(vals, idx, width)
+    tl.store(out_ptr + row, at.to(tl.int64))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +65,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     assert width > 0, "argmax of an empty row"
     if x.stride(1) != 1:
         x = x.contiguous()
-    block = min(MAX_BLOCK, next_power_of_2(width))
+    block = min(SLICE, next_power_of_2(width))
+    slices = cdiv(width, block)
+    vals = torch.empty(rows, slices, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, slices, dtype=torch.int32, device=x.device)
     launch(
-        _argmax_rows_kernel, (rows,), x, out, width, x.stride(0),
-        BLOCK=block, num_warps=16 if block >= 4096 else 4,
+        _slice_argmax_kernel, (rows, slices), x, vals, idx, width, x.stride(0), slices,
+        SLICE=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    launch(
+        _row_argmax_kernel, (rows,), vals, idx, out, width, slices,
+        BLOCK_S=max(2, next_power_of_2(slices)), num_warps=1,
     )  # fmt: skip
     return out

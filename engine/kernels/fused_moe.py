@@ -208,22 +208,44 @@ def _moe_gemm_kernel(
     HAS_SHARED: tl.constexpr, INLINE_ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EARLY_IDS: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    EARLY_IDS: tl.constexpr = False, EARLY_SHARED: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """EARLY_IDS: the pair ids and alignment were written two or more launches back (the down
     GEMM: router, gate/up, down), so under PDL they are read before the wait. (Prefetching the
     block's expert rows into L2 there too made the batch-1 step slower on the H200, 2.20
     against 2.07 ms: the 46 MB competed with the gate/up GEMM's stream and were mostly evicted
-    by it before use.)"""
+    by it before use.)
+
+    EARLY_SHARED = S > 0 (INLINE_ALIGN, the gate/up GEMM, at most BLOCK_M tokens, the shared
+    slots the last S columns of the ids): blocks 0..S-1 are the shared slots, whose expert and
+    rows (every token) are known without the router, and whose input rows are the router's
+    input (written two launches back): they run their whole GEMM before the PDL wait, while
+    the router runs, and wait only to store. The routed blocks follow, S places on."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if not EARLY_IDS:
-        pdl_wait(USE_PDL)
-    if INLINE_ALIGN:
+    if EARLY_SHARED > 0:
+        if pid_m < EARLY_SHARED:
+            expert = (num_routed + pid_m).to(tl.int64)
+            offs_m = tl.arange(0, BLOCK_M)
+            slot_col = top_k - EARLY_SHARED + pid_m
+            ids = tl.where(offs_m < num_pairs // top_k, offs_m * top_k + slot_col, num_pairs)
+            found = pid_m >= 0
+        else:
+            pdl_wait(USE_PDL)
+            found, expert, ids = _inline_block(
+                sorted_ids_ptr, num_pairs, pid_m - EARLY_SHARED, BLOCK_M, BLOCK_P, BLOCK_E
+            )
+            found = found & (expert < num_routed)  # the shared slots' own blocks did those
+    elif INLINE_ALIGN:
+        if not EARLY_IDS:
+            pdl_wait(USE_PDL)
         found, expert, ids = _inline_block(
             sorted_ids_ptr, num_pairs, pid_m, BLOCK_M, BLOCK_P, BLOCK_E
         )
     else:
+        if not EARLY_IDS:
+            pdl_wait(USE_PDL)
         num_padded = tl.load(num_padded_ptr)  # a multiple of BLOCK_M
         found = pid_m * BLOCK_M < num_padded
         # (an unused block's places may lie past the table: not read)
@@ -270,6 +292,9 @@ def _moe_gemm_kernel(
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + ids, mask=valid, other=0.0)
         acc = acc * w[:, None]
+    if EARLY_SHARED > 0:
+        if pid_m < EARLY_SHARED:
+            pdl_wait(USE_PDL)  # nothing is written before the wait
     c_ptrs = c_ptr + ids.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
@@ -300,9 +325,16 @@ def _moe_gemm(
     early_ids: bool = False,
 ) -> None:
     """One grouped GEMM; `early_ids`: the alignment was written two or more launches before
-    this one (see _moe_gemm_kernel's EARLY_IDS)."""
+    this one (see _moe_gemm_kernel's EARLY_IDS). The gate/up GEMM of a decode step runs its
+    shared slots before the PDL wait (EARLY_SHARED) when they fill one block each."""
     k = a.shape[1]
     num_routed = b.shape[0]
+    num_pairs = topk_weights.shape[0]
+    early_shared = 0
+    if shared is not None and gated and isinstance(align, InlineAlignment):
+        if num_pairs // top_k <= cfg.block_m:
+            early_shared = shared.shape[0] // (2 * n)
+    assert not (early_ids and early_shared)
     if shared is None:
         s_args = (b, num_routed, 0, 0, 0)
     elif gated:  # gate_up [2 * S, K]: slot j starts at row j * n, up half S rows on
@@ -310,9 +342,11 @@ def _moe_gemm(
                   shared.shape[0] // 2 * shared.stride(0))  # fmt: skip
     else:  # down [N, S]: slot j is columns j * K.., rows S apart
         s_args = (shared, num_routed, k, shared.stride(0), 0)
-    num_pairs = topk_weights.shape[0]
     if isinstance(align, InlineAlignment):
         blocks = max_align_blocks(num_pairs, align.num_experts, cfg.block_m)
+        if early_shared:  # the shared slots' blocks, then the routed pairs'
+            routed = num_pairs // top_k * (top_k - early_shared)
+            blocks = early_shared + max_align_blocks(routed, num_routed, cfg.block_m)
         tables = (align.topk_ids,) * 3  # the kernel reads the pairs' experts from the first
         block_e = max(16, next_power_of_2(align.num_experts))
     else:
@@ -330,7 +364,7 @@ def _moe_gemm(
         # would be built at the first decode of each size when no graph captured it).
         BLOCK_P=next_power_of_2(INLINE_ALIGN_MAX_PAIRS), BLOCK_E=block_e,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET_UPCAST,
-        EARLY_IDS=early_ids, num_warps=cfg.num_warps,
+        EARLY_IDS=early_ids, EARLY_SHARED=early_shared, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, pdl=True,
     )  # fmt: skip
 
@@ -396,7 +430,9 @@ def fused_moe(
     topk_weights [T, k]; topk_ids [T, k]; shared_output [T, H] or None. Returns [T, H] =
     sum_k w_k * down(silu(g) * u) (+ shared_output, added in the same fp32 sum).
 
-    With `shared_experts`, ids E..E+n-1 in topk_ids name its n slots (`SharedExperts`).
+    With `shared_experts`, ids E..E+n-1 in topk_ids name its n slots (`SharedExperts`), in
+    its last n columns, in order (as the router and `append_shared_experts` lay them out: a
+    decode step's gate/up GEMM runs them from that layout before the router has finished).
     `config` overrides the default tiles (the tuner's way to time them). No host sync and no
     data-dependent shape, so a CUDA graph can capture it."""
     num_tokens, hidden_size = hidden.shape

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.argmax import MAX_BLOCK, argmax_rows
+from engine.kernels.argmax import SLICE, argmax_rows
 from engine.layers.sampler import first_argmax
 
 
-@pytest.mark.parametrize("width", [1, 37, MAX_BLOCK, 2 * MAX_BLOCK + 37])
+@pytest.mark.parametrize("width", [1, 37, SLICE, 2 * SLICE + 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_is_torch_argmax(width: int, dtype: torch.dtype, device: torch.device) -> None:
     """torch.argmax's index: ties within a slice and across slices (the first wins), NaN (the
