@@ -42,6 +42,7 @@ row, and causal attention (QK and PV over every (query, key) pair of each head).
     python3 perf/bench_engine.py --kv bf16 --ns 1,64 --skip-compile --profile-ns "" \
         --fp8-absorb-compare                                              # FP8 absorbed weights
     python3 perf/bench_engine.py --kv fp8,bf16 --isolate ...              # a process per dtype
+    python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba ...       # fp8, bf16, bf16, fp8
     .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
 
 On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would end
@@ -934,11 +935,49 @@ def report(res: dict[str, Any]) -> str:
             lines.append(
                 f"    host {k['ms_per_step']:7.3f} ms {k['per_step']:6.1f}x  {k['name'][:65]}"
             )
+    lines += order_report(res["runs"])
     lines += fp8_absorb_report(res)
     if res["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(res['skipped'])}")
     lines.append(f"total {res['total_s']:.0f} s")
     return "\n".join(lines)
+
+
+def order_report(runs: list[dict[str, Any]]) -> list[str]:
+    """--abba: per N, each dtype's end-to-end, decode and prefill figures averaged over the
+    processes that ran it (one early in the call, one late), and FP8 against bf16. The engine
+    of the call's first process lost its prefill phase in runs Z1 and Z2 (perf/RESULTS.md),
+    whichever dtype it was."""
+    by: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        by[(r["n"], r["kv"])].append(r)
+    if not any(len(v) > 1 for v in by.values()):
+        return []
+
+    def mean(rs: list[dict[str, Any]], phase: str | None, key: str) -> float | None:
+        vals = [(r.get(phase) or {}).get(key) if phase else r.get(key) for r in rs]
+        vals = [v for v in vals if v is not None]
+        return statistics.fmean(vals) if vals else None
+
+    order = [kv for _, kv in sorted({(r.get("process", 0), r["kv"]) for r in runs})]
+    lines = [f"mean over each dtype's processes (in the order {', '.join(order)}):"]
+    for n in sorted({n for n, _ in by}):
+        cells, e2e = [], {}
+        for kv in KV_DTYPES:
+            rs = by.get((n, kv))
+            if not rs:
+                continue
+            e2e[kv] = mean(rs, None, "e2e_tok_s")
+            cells.append(
+                f"{kv} e2e {_f(e2e[kv], '.1f')} tok/s, decode "
+                f"{_f(mean(rs, 'decode_full', 'ms_per_step_median'), '.2f')} ms, prefill "
+                f"{_f(mean(rs, 'prefill', 'tok_s'), '.0f')} tok/s"
+            )
+        ratio = ""
+        if e2e.get("fp8") and e2e.get("bf16"):
+            ratio = f" | fp8/bf16 e2e {e2e['fp8'] / e2e['bf16']:.3f}x"
+        lines.append(f"    N={n}: " + "; ".join(cells) + ratio)
+    return lines
 
 
 def fp8_absorb_report(res: dict[str, Any]) -> list[str]:
@@ -1034,6 +1073,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each KV dtype's engines in a process of their own, in --kv order (see run_isolated)",
     )
     ap.add_argument(
+        "--abba",
+        action="store_true",
+        help="with --isolate: the --kv order, then the reverse (fp8, bf16, bf16, fp8), each "
+        "dtype's figures averaged over its two processes",
+    )
+    ap.add_argument(
         "--compile-layers",
         default="native",
         help="torch_compile_layers of the compile engines, e.g. native,kernels (one engine each)",
@@ -1092,16 +1137,19 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     (its compile ratio is taken against the merged graphs figures). Each child gets an equal
     share of what is left of `--time-budget`."""
     kvs = [k for k in dict.fromkeys(args.kv.split(",")) if k in KV_DTYPES]
+    if args.abba:  # then in reverse: each dtype once early and once late in the device call
+        kvs = kvs + kvs[::-1]
     t0 = time.perf_counter()
     merged: dict[str, Any] = {}
     children: list[dict[str, Any]] = []
     for i, kv in enumerate(kvs):
-        child = [a for a in argv if a != "--isolate"]
+        child = [a for a in argv if a not in ("--isolate", "--abba")]
         if i > 0:
             child = [a for a in child if a not in _FIRST_ONLY] + ["--skip-eager"]
         if i < len(kvs) - 1:
             child = [a for a in child if a not in _LAST_ONLY] + ["--skip-compile"]
-        out = Path(args.json or "bench_engine.json").with_suffix(f".{kv}.json")
+        suffix = f".{kv}.{i}.json" if args.abba else f".{kv}.json"
+        out = Path(args.json or "bench_engine.json").with_suffix(suffix)
         budget = (args.time_budget - (time.perf_counter() - t0)) / (len(kvs) - i)
         child += ["--kv", kv, "--json", str(out), "--time-budget", f"{max(budget, 1.0):.0f}"]
         say(f"isolated: the {kv} engines in a process of their own")
@@ -1113,6 +1161,8 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                              copy_bandwidth_Bps=res.get("copy_bandwidth_Bps")))  # fmt: skip
         if not res:
             continue
+        for r in res.get("runs", []):
+            r["process"] = i  # the child's place in the call's order
         if not merged:
             merged = res
             continue

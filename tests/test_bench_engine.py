@@ -134,3 +134,29 @@ def test_tiny_cpu_run_isolated(tmp_path: Path) -> None:
     assert set(compiled["vs_graphs"]) == {"batch1", "n1_decode"}
     assert all(v > 0 for v in compiled["vs_graphs"].values())
     assert (tmp_path / "result.bf16.json").is_file() and (tmp_path / "result.fp8.json").is_file()
+
+
+def test_order_report_averages_each_dtype_over_its_processes() -> None:
+    """--abba's summary: per N, each dtype's figures averaged over its processes (fp8, bf16,
+    bf16, fp8), and FP8 against bf16 end to end; nothing without a repeated dtype."""
+    bench = _load("bench_engine")
+
+    def run(kv: str, process: int, e2e: float, prefill: float) -> dict[str, Any]:
+        decode = {"ms_per_step_median": 10.0}
+        return dict(
+            kv=kv,
+            n=128,
+            process=process,
+            e2e_tok_s=e2e,
+            decode_full=decode,
+            prefill={"tok_s": prefill},
+        )
+
+    runs = [run("fp8", 0, 90.0, 60.0), run("bf16", 1, 100.0, 70.0)]
+    assert bench.order_report(runs) == []
+    runs += [run("bf16", 2, 96.0, 66.0), run("fp8", 3, 104.0, 72.0)]
+    lines = bench.order_report(runs)
+    assert lines[0].endswith("(in the order fp8, bf16, bf16, fp8):")
+    assert "bf16 e2e 98.0 tok/s" in lines[1] and "fp8 e2e 97.0 tok/s" in lines[1]
+    assert "prefill 68 tok/s" in lines[1] and "prefill 66 tok/s" in lines[1]
+    assert lines[1].endswith(f"fp8/bf16 e2e {97.0 / 98.0:.3f}x")
