@@ -33,14 +33,15 @@ def test_moe_align_block_size(device: torch.device) -> None:
     for blk in range(3):
         real = [int(i) for i in sorted_ids[blk] if i < flat.numel()]
         assert all(int(flat[i]) == blk for i in real)
-    assert sorted(int(i) for i in a.sorted_ids.cpu() if i < flat.numel()) == list(range(6))
+    assert sorted(int(i) for i in a.sorted_ids[:n].cpu() if i < flat.numel()) == list(range(6))
 
 
 @pytest.mark.parametrize(
     "tokens,top_k,experts,block_m,id_dtype",
     [
         (1, 6, 64, 16, torch.int32),  # V2-Lite decode at batch 1
-        (300, 6, 64, 16, torch.int32),  # 1800 pairs: more than one chunk of 1024
+        (300, 6, 64, 16, torch.int32),  # 1800 pairs: several placing programs
+        (700, 6, 64, 128, torch.int32),  # 4200 pairs: more than one counting chunk, prefill tiles
         (40, 8, 256, 64, torch.int64),  # V3's expert count
         (13, 3, 10, 16, torch.int64),  # experts not a power of two
     ],
@@ -69,8 +70,7 @@ def test_moe_align_block_size_matches_reference(
         )
         for e in range(experts)
     ]
-    assert all(run_sets_equal)
-    assert bool((got.sorted_ids[n:] == tokens * top_k).all())
+    assert all(run_sets_equal)  # (the places past num_padded are not written: none is read)
 
 
 def test_fused_moe_adds_the_shared_output(device: torch.device) -> None:
