@@ -31,6 +31,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rope_scores(q_pe, k_pe_ptr, rows, mask_n, offs_r, mask_r, stride_kps, UPCAST: tl.constexpr):
+    """q_pe [BLOCK_M, BLOCK_R] against the RoPE key rows `rows` of k_pe -> [BLOCK_M, BLOCK_N]."""
+    k_pe_ptrs = k_pe_ptr + rows.to(tl.int64)[None, :] * stride_kps + offs_r[:, None]
+    k_pe = tl.load(k_pe_ptrs, mask=mask_n[None, :] & mask_r[:, None], other=0.0)
+    return dot(q_pe, k_pe.to(q_pe.dtype), UPCAST)
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr,  # [T, Hq, D]
     k_ext_ptr,  # [T, Hkv, D]
@@ -44,16 +52,22 @@ def _extend_kernel(
     prefix_lens_ptr,
     start_loc_ptr,
     kv_start_ptr,  # [B] first context row of each request (RAGGED only)
+    q_pe_ptr,  # [T, Hq, R] (ROPE)
+    k_pe_ptr,  # [S, R] one row for all heads (ROPE)
     qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_ot, stride_oh, stride_rt,
-    group_size, head_dim, v_head_dim,
+    stride_qpt, stride_qph, stride_kps,
+    group_size, head_dim, v_head_dim, rope_dim,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    RAGGED: tl.constexpr, UPCAST: tl.constexpr,
+    RAGGED: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr = 0,
 ):  # fmt: skip
     # RAGGED: k_buf/v_buf hold request b's whole context at rows kv_start[b] onwards (its new
     # tokens' K/V included, k_ext/v_ext unused); else the prefix is read through req_to_token
     # and the new tokens' K/V are rows start_loc[b] onwards of k_ext/v_ext.
+    # BLOCK_R > 0 (RAGGED): the head dim is head_dim + rope_dim, its last rope_dim columns given
+    # apart: q's in q_pe, k's in k_pe, one row for all heads (MLA's decoupled RoPE key), so that
+    # neither is concatenated and each product is a power of two wide (not 192 padded to 256).
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -80,6 +94,14 @@ def _extend_kernel(
     mask_dv = offs_dv < v_head_dim
     q_ptrs = q_ptr + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    offs_r = tl.arange(0, BLOCK_R if BLOCK_R > 0 else 16)
+    mask_r = offs_r < rope_dim
+    q_pe = q
+    if BLOCK_R > 0:
+        q_pe_ptrs = q_pe_ptr + (start + offs_m[:, None]) * stride_qpt + h * stride_qph
+        q_pe = tl.load(
+            q_pe_ptrs + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
+        )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,7 +120,10 @@ def _extend_kernel(
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         v_ptrs = v_buf_ptr + slot[:, None] * stride_vbs + kvh * stride_vbh + offs_dv[None, :]
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
+        qk = dot(q, k.to(q.dtype), UPCAST)
+        if BLOCK_R > 0:
+            qk += _rope_scores(q_pe, k_pe_ptr, slot, mask_n, offs_r, mask_r, stride_kps, UPCAST)
+        qk = qk * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), UPCAST)
@@ -112,7 +137,11 @@ def _extend_kernel(
         k = tl.load(k_ptrs + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         v_ptrs = v_ext_ptr + (ext_row0 + offs_n[:, None]) * stride_vt + kvh * stride_vh
         v = tl.load(v_ptrs + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        qk = dot(q, k.to(q.dtype), UPCAST) * qk_scale
+        qk = dot(q, k.to(q.dtype), UPCAST)
+        if BLOCK_R > 0:
+            rows = ext_row0 + offs_n
+            qk += _rope_scores(q_pe, k_pe_ptr, rows, mask_n, offs_r, mask_r, stride_kps, UPCAST)
+        qk = qk * qk_scale
         causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
@@ -137,9 +166,20 @@ def _launch(
     kv_start_loc: torch.Tensor | None,
     sm_scale: float,
     max_extend_len: int | None,
+    q_pe: torch.Tensor | None = None,
+    k_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, v_head_dim = k_ext.shape[1], v_ext.shape[2]
+    rope_dim = 0
+    q_pe_args: tuple[torch.Tensor, torch.Tensor, int, int, int] = (q, q, 0, 0, 0)
+    if q_pe is not None:
+        assert k_pe is not None and kv_start_loc is not None, "the split RoPE part is ragged only"
+        k_pe = k_pe.reshape(k_pe.shape[0], -1)
+        rope_dim = k_pe.shape[1]
+        assert q_pe.shape == (num_tokens, num_q_heads, rope_dim) and k_pe.shape[0] == k_ext.shape[0]
+        assert q_pe.stride(2) == 1 and k_pe.stride(1) == 1
+        q_pe_args = (q_pe, k_pe, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0))
     batch = seq_lens.shape[0]
     out = q.new_empty((num_tokens, num_q_heads, v_head_dim))
     if num_tokens == 0:
@@ -150,21 +190,24 @@ def _launch(
     if is_interpreter():
         block_m, block_n, warps, stages = 16, 16, 4, 1
     else:
-        block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
+        block_m, block_n = (64, 64) if block_d + rope_dim <= 128 else (64, 32)
         warps, stages = 4, 2
     grid = (batch, num_q_heads, cdiv(max_extend_len, block_m))
     launch(
         _extend_kernel, grid,
         q, k_ext, v_ext, k_buf, v_buf, out, req_to_token, req_pool_indices,
         seq_lens, prefix_lens, q_start_loc,
-        kv_start_loc if kv_start_loc is not None else q_start_loc, sm_scale * _LOG2E,
+        kv_start_loc if kv_start_loc is not None else q_start_loc, *q_pe_args[:2],
+        sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_ext.stride(0), k_ext.stride(1),
         v_ext.stride(0), v_ext.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), num_q_heads // num_kv_heads, head_dim, v_head_dim,
+        req_to_token.stride(0), *q_pe_args[2:],
+        num_q_heads // num_kv_heads, head_dim, v_head_dim, rope_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_DV=next_power_of_2(v_head_dim), RAGGED=kv_start_loc is not None,
-        UPCAST=INTERPRET_UPCAST, num_warps=warps, num_stages=stages,
+        UPCAST=INTERPRET_UPCAST, BLOCK_R=next_power_of_2(rope_dim) if rope_dim else 0,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -203,6 +246,8 @@ def ragged_attention(
     kv_start_loc: torch.Tensor,
     sm_scale: float,
     max_extend_len: int | None = None,
+    q_pe: torch.Tensor | None = None,
+    k_pe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their request's whole context, given as rows.
 
@@ -210,8 +255,11 @@ def ragged_attention(
     k [S, Hkv, D], v [S, Hkv, Dv] (each request's seq_lens[b] context rows, prefix first, from
     row kv_start_loc[b]); seq_lens, prefix_lens [B]. Query i of request b sits at position
     prefix_lens[b] + i. Returns o [T, Hq, Dv] in q's dtype.
+
+    With q_pe [T, Hq, R] and k_pe [S, R] (or [S, 1, R]): the heads' last R dims given apart,
+    k_pe shared by every head (MLA's decoupled RoPE key): scores are q.k + q_pe.k_pe.
     """
     return _launch(
         q, k, v, k, v, seq_lens, seq_lens, seq_lens, prefix_lens, q_start_loc, kv_start_loc,
-        sm_scale, max_extend_len,
+        sm_scale, max_extend_len, q_pe, k_pe,
     )  # fmt: skip

@@ -302,9 +302,9 @@ class MLAAttention(MergedWeights):
         c_ctx, kpe_ctx = ctx.squeeze(1).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c_ctx).view(s, h, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, kpe_ctx.unsqueeze(1).expand(s, h, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        return fb.attn_backend.forward_extend_ragged(q, k, v, self.attn_mha, fb)
+        # The RoPE dims apart (k_pe one row for every head): nothing concatenated.
+        rope = (q_pe, kpe_ctx.unsqueeze(1))
+        return fb.attn_backend.forward_extend_ragged(q_nope, k_nope, v, self.attn_mha, fb, rope)
 
 
 def _bmm_fp8_any(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -87,3 +87,35 @@ def test_ragged_attention(
     assert out.shape == (sum(extend), hq, dv)
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_attention_with_the_rope_part_apart(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """MLA's prefill without concatenating: q's and k's last R dims given apart (q_pe per head,
+    k_pe one row for every head, as a [S, 1, R] view), equal to the concatenated call; a
+    strided q (a view of a wider projection) and K/V heads as views of one [S, H, D + Dv]."""
+    h, nope, rope, dv = 2, 32, 16, 32
+    prefix, extend = [9, 0], [21, 5]
+    g = torch.Generator().manual_seed(11)
+    seq = [p + e for p, e in zip(prefix, extend, strict=True)]
+    kv_start = torch.tensor([0, seq[0]], dtype=torch.int32)
+    rows = sum(seq)
+    kv = torch.randn(rows, h, nope + dv, generator=g).to(dtype)
+    k_nope, v = kv.split([nope, dv], dim=-1)
+    k_pe = torch.randn(rows, 1, rope, generator=g).to(dtype)
+    q_full = torch.randn(sum(extend), h, nope + rope + 8, generator=g).to(dtype)
+    q_nope, q_pe = q_full[..., :nope], q_full[..., nope : nope + rope]
+    q_start = torch.tensor([0, extend[0]], dtype=torch.int32)
+    lens = [torch.tensor(x, dtype=torch.int32) for x in (seq, prefix)]
+    common = [t.to(device) for t in (*lens, q_start, kv_start)]
+    scale = (nope + rope) ** -0.5
+    q_nope, q_pe, k_nope, k_pe, v = (t.to(device) for t in (q_nope, q_pe, k_nope, k_pe, v))
+    out = ragged_attention(q_nope, k_nope, v, *common, scale, q_pe=q_pe, k_pe=k_pe)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k = torch.cat([k_nope, k_pe.expand(-1, h, -1)], dim=-1)
+    ref = ragged_attention_ref(q, k, v, *common, scale)
+    assert out.shape == (sum(extend), h, dv)
+    tol = 1e-2 if dtype == torch.float32 else 3e-2
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol

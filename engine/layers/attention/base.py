@@ -101,7 +101,9 @@ class AttentionBackend(ABC):
       which a kernel may read directly instead of from the pool.
     - `forward_extend_ragged`: attention where k and v are given for each request's whole
       context (prefix + new tokens, concatenated request by request in batch order), not read
-      from the pool. MLA's decompressing prefill uses it after up-projecting the cached latents.
+      from the pool. MLA's decompressing prefill uses it after up-projecting the cached latents,
+      with the RoPE part of the heads given apart (`rope=(q_pe [T, H, R], k_pe [S, 1, R])`, k_pe
+      one row for every head; q and k then hold the other dims): the scores are q.k + q_pe.k_pe.
     - `gather_context(layer_id, fb)`: the pool rows of every request's whole context, concatenated
       in batch order ([sum(seq_lens), kv_heads, dim] key and value).
     - CUDA graphs (backends with `supports_cuda_graph`): `init_cuda_graph_state(max_bs)` once
@@ -160,6 +162,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: AttentionLayer,
         fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     @abstractmethod

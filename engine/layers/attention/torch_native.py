@@ -93,7 +93,11 @@ class TorchNativeBackend(AttentionBackend):
             start += n
         return out
 
-    def forward_extend_ragged(self, q, k, v, layer, fb):
+    def forward_extend_ragged(self, q, k, v, layer, fb, rope=None):
+        if rope is not None:  # the whole heads: [q | q_pe], [k | k_pe for every head]
+            q_pe, k_pe = rope
+            q = torch.cat([q, q_pe], dim=-1)
+            k = torch.cat([k, k_pe.expand(-1, k.shape[1], -1)], dim=-1)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         q_start = kv_start = 0
         for i, seq_len in enumerate(fb.seq_lens_cpu):

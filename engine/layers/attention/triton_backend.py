@@ -149,7 +149,7 @@ class TritonBackend(AttentionBackend):
             max_extend_len=meta.max_extend_len,
         )
 
-    def forward_extend_ragged(self, q, k, v, layer, fb):
+    def forward_extend_ragged(self, q, k, v, layer, fb, rope=None):
         meta: TritonMetadata = fb.attn_metadata
         assert meta.prefix_lens is not None and meta.extend_start_loc is not None
         assert meta.context_start_loc is not None
@@ -163,6 +163,8 @@ class TritonBackend(AttentionBackend):
             meta.context_start_loc,
             layer.scaling,
             max_extend_len=meta.max_extend_len,
+            q_pe=None if rope is None else rope[0],
+            k_pe=None if rope is None else rope[1],
         )
 
     def gather_context(self, layer_id, fb):
