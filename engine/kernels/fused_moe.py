@@ -50,7 +50,7 @@ class InlineAlignment(NamedTuple):
 # 32 pairs is a batch of 4 at V2-Lite's 6 + 2 experts. Measured on the H200 at one token (8
 # pairs); larger batches keep the alignment kernel until the in-program form is timed there.
 INLINE_ALIGN_MAX_PAIRS = 32
-ALIGN_CHUNK = 4096  # pairs the alignment program counts at a time
+ALIGN_CHUNK = 2048  # pairs the alignment program counts (and, up to this many, places) at once
 PLACE_CHUNK = 512  # pairs a placing program takes
 
 
@@ -101,10 +101,12 @@ def _moe_align_kernel(
     cursor_ptr,  # [num_experts] int32 out: each expert's first place (for _moe_place_kernel)
     num_pairs, num_experts, max_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+    PLACE: tl.constexpr,
 ):  # fmt: skip
     """One program. Count the pairs of each expert, lay the experts' runs out padded to
     BLOCK_M, write the pads of each run (the places its pairs leave; nothing past num_padded,
-    which the GEMMs do not read) and every block's expert."""
+    which the GEMMs do not read) and every block's expert. PLACE (at most CHUNK pairs): place
+    the pairs too, as _moe_place_kernel does (a decode step's pairs: one launch, not two)."""
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     offs = tl.arange(0, CHUNK)
@@ -127,19 +129,27 @@ def _moe_align_kernel(
         ended = (padded_end[None, :] <= blocks[:, None] * BLOCK_M) & mask_e[None, :]
         expert = tl.minimum(tl.sum(ended.to(tl.int32), 1), num_experts - 1)
         tl.store(expert_ids_ptr + blocks, expert, mask=blocks < max_blocks)
+    if PLACE:
+        tl.debug_barrier()  # the cursors are written before any pair takes a place
+        _place_pairs(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, offs)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_place_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
-    """Program c: each pair of chunk c takes the next free place in its expert's run (an atomic
-    cursor per expert, from _moe_align_kernel): no sort. The order within a run is whatever the
-    atomics make it; each row of the grouped GEMMs is computed on its own, so the results do
-    not depend on it."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+@triton.jit
+def _place_pairs(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, offs):
+    """Pairs `offs` take the next free place in their expert's run (an atomic cursor per
+    expert): no sort. The order within a run is whatever the atomics make it; each row of the
+    grouped GEMMs is computed on its own, so the results do not depend on it."""
     mask = offs < num_pairs
     ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0).to(tl.int32)
     dest = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
     tl.store(sorted_ids_ptr + dest, offs, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_place_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
+    """Program c places the pairs of chunk c (after _moe_align_kernel wrote the cursors)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    _place_pairs(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, offs)
 
 
 def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -151,10 +161,11 @@ def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """topk_ids [T, k] -> pairs grouped by expert, each expert's run padded to block_m.
 
-    Two launches, no sort and no host sync (a CUDA graph can capture them): one program lays
-    the runs out, then a program per chunk of pairs places them. The places past num_padded
-    are left unwritten (the GEMMs read none). One program placing every pair took 60 us a layer
-    at a 2,048-token prefill on the H200 (one chunk's atomics waited on before the next).
+    No sort and no host sync (a CUDA graph can capture it): one program lays the runs out and,
+    up to ALIGN_CHUNK pairs (decode batches), places the pairs; more pairs (prefill) are placed
+    by a second launch of a program per PLACE_CHUNK pairs: one program placing the 16,384 pairs
+    of a 2,048-token prefill chunk by chunk took 60 us a layer on the H200. The places past
+    num_padded are left unwritten (the GEMMs read none).
     """
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
@@ -168,12 +179,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_e = max(16, next_power_of_2(num_experts))
     # The block -> expert step holds a [CHUNK_B, BLOCK_E] compare: keep it near 8K elements.
     chunk_b = max(32, 8192 // block_e)
+    in_program = num_pairs <= ALIGN_CHUNK
     launch(
         _moe_align_kernel, (1,),
         flat, sorted_ids, expert_ids, num_padded, cursor, num_pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, CHUNK_B=chunk_b, num_warps=8,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, CHUNK_B=chunk_b, PLACE=in_program,
+        num_warps=8,
     )  # fmt: skip
-    if num_pairs:
+    if not in_program:
         launch(
             _moe_place_kernel, (cdiv(num_pairs, PLACE_CHUNK),),
             flat, sorted_ids, cursor, num_pairs, CHUNK=PLACE_CHUNK, num_warps=4,
