@@ -158,7 +158,7 @@ def test_batch_sized_ints_are_not_specialized() -> None:
 import json
 from engine.kernels import fused_moe, moe_router
 ks = [moe_router._gate_logits_kernel, moe_router._moe_router_kernel,
-      fused_moe._moe_align_kernel, fused_moe._moe_gemm_kernel]
+      fused_moe._moe_align_kernel, fused_moe._moe_place_kernel, fused_moe._moe_gemm_kernel]
 print(json.dumps({k.__name__: [sorted(k.do_not_specialize), k.arg_names] for k in ks}))
 """
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -168,7 +168,8 @@ print(json.dumps({k.__name__: [sorted(k.do_not_specialize), k.arg_names] for k i
     expected = {
         "_gate_logits_kernel": ["T", "stride_s"],
         "_moe_router_kernel": ["T", "num_splits", "stride_s"],
-        "_moe_align_kernel": ["max_blocks", "max_padded", "num_pairs"],
+        "_moe_align_kernel": ["max_blocks", "num_pairs"],
+        "_moe_place_kernel": ["num_pairs"],
         "_moe_gemm_kernel": ["num_pairs"],
     }
     for name, names in expected.items():
