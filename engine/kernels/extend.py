@@ -94,10 +94,9 @@ def _extend_kernel(
     mask_dv = offs_dv < v_head_dim
     q_ptrs = q_ptr + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    offs_r = tl.arange(0, BLOCK_R if BLOCK_R > 0 else 16)
-    mask_r = offs_r < rope_dim
-    q_pe = q
-    if BLOCK_R > 0:
+    if BLOCK_R > 0:  # a compile-time branch: q_pe, offs_r and mask_r exist only with BLOCK_R
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rope_dim
         q_pe_ptrs = q_pe_ptr + (start + offs_m[:, None]) * stride_qpt + h * stride_qph
         q_pe = tl.load(
             q_pe_ptrs + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0

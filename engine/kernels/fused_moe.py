@@ -351,18 +351,18 @@ def _moe_gemm(
     cfg: MoEConfig,
     shared: torch.Tensor | None,
     early_ids: bool = False,
+    early_shared: int = 0,
 ) -> None:
     """One grouped GEMM; `early_ids`: the alignment was written two or more launches before
-    this one (see _moe_gemm_kernel's EARLY_IDS). The gate/up GEMM of a decode step runs its
-    shared slots before the PDL wait (EARLY_SHARED) when they fill one block each."""
+    this one (see _moe_gemm_kernel's EARLY_IDS); `early_shared`: that many shared slots run
+    before the PDL wait (EARLY_SHARED: the gate/up GEMM, inline alignment, one block a slot)."""
     k = a.shape[1]
     num_routed = b.shape[0]
     num_pairs = topk_weights.shape[0]
-    early_shared = 0
-    if shared is not None and gated and isinstance(align, InlineAlignment):
-        if num_pairs // top_k <= cfg.block_m:
-            early_shared = shared.shape[0] // (2 * n)
-    assert not (early_ids and early_shared)
+    assert not early_shared or (gated and shared is not None and not early_ids)
+    assert not early_shared or (
+        isinstance(align, InlineAlignment) and num_pairs // top_k <= cfg.block_m
+    )
     if shared is None:
         s_args = (b, num_routed, 0, 0, 0)
     elif gated:  # gate_up [2 * S, K]: slot j starts at row j * n, up half S rows on
@@ -484,9 +484,16 @@ def fused_moe(
     weights = topk_weights.reshape(-1).to(torch.float32)
     act = hidden.new_empty((num_tokens * top_k, inter))
     s13 = s2 = None
+    early_shared = 0
     if shared_experts is not None:
         s13, s2 = shared_experts
-    _moe_gemm(hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up, s13)
+        # A decode step's shared slots, one block each, run their gate/up before the router ends.
+        if isinstance(align, InlineAlignment) and num_tokens <= tiles.up.block_m:
+            early_shared = slots
+    _moe_gemm(
+        hidden, w13, act, weights, align, top_k, inter, True, True, False, tiles.up, s13,
+        early_shared=early_shared,
+    )  # fmt: skip
     down_out = hidden.new_empty((num_tokens * top_k, hidden_size))
     # The down GEMM's pair tables come from the router (or the alignment), two launches back.
     _moe_gemm(
