@@ -163,7 +163,14 @@ class EngineCore:
             self._process(previous)
         out = self.scheduler.schedule()
         if out is not None:
-            self._launched = self._launch(out)
+            try:
+                self._launched = self._launch(out)
+            except Exception:
+                # Step n's tokens were computed before step n+1 failed: stream them first, as
+                # without overlap, then let the caller fail what is left.
+                if previous is not None and not previous.blocks_scheduling:
+                    self._process(previous)
+                raise
         if previous is not None and not previous.blocks_scheduling:
             self._process(previous)  # the device runs the batch just launched meanwhile
         if self._launched is not None and not self.overlap:

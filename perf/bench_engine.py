@@ -641,6 +641,9 @@ class Bench:
         try:
             ceil = self.ceilings(llm, "bf16")
             out["batch1"] = self.batch1(llm, ceil)
+            # Its batch-1 step kernel by kernel, beside the graphs-only engine's profile: where
+            # the compiled step's time goes (run N found compile slower and could not say why).
+            out["profile"] = self.profile(llm, 1)
             out["runs"] = []
             for n in self.args.compile_ns_list:
                 out["runs"].append(dict(kv="bf16", **self.run_n(llm, n, ceil)))
@@ -833,6 +836,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bf16 engine",  # its start, plus compiling (run E, cold cache: 168 s) and its runs
             expected_s=COMPILE_EXPECTED_S,
         )
+        if c and "profile" in c:
+            result["profile"][f"compile_{layers}_b1"] = c.pop("profile")
         if c and "batch1" in c:
             result["batch1"][f"compile_{layers}_bf16"] = c["batch1"]
             c["vs_graphs"] = compile_speedups(result, c)

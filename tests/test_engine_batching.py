@@ -246,9 +246,16 @@ def test_min_tokens_holds_back_eos(default_model: str) -> None:
     assert not eos & set(longer[0].token_ids[:11])
 
 
-def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla, overlap: bool) -> None:
+    """A step that raises fails the requests in flight and the engine serves the next one. With
+    the overlap schedule, the step launched before the failing one still streams its token."""
     model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
-    engine = AsyncEngine(EngineConfig(model=model, dtype="float32", max_total_tokens=256))
+    config = EngineConfig(
+        model=model, dtype="float32", max_total_tokens=256, enable_overlap=overlap
+    )
+    engine = AsyncEngine(config)
+    assert engine.core.overlap == overlap
     runner = engine.core.runner
     real_forward = runner.forward
     calls = {"n": 0}

@@ -24,6 +24,9 @@ from engine.kernels import (  # noqa: F401 (the siblings register their ops)
 )
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 
+# Where the Triton kernels run: the GPU where there is one, else the CPU under the interpreter
+# (a CPU tensor cannot reach a compiled kernel on a CUDA machine).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [[100 + 7 * i + j for j in range(3 + 5 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -72,55 +75,61 @@ def _opcheck(op: object, args: tuple, kwargs: dict | None = None) -> None:
 
 
 def test_custom_ops_norm_activation_rope() -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 32, generator=g)
-    res = torch.randn(3, 32, generator=g)
-    w = torch.rand(32, generator=g) + 0.5
-    _opcheck(torch.ops.engine.rms_norm.default, (x, w, 1e-6))
-    _opcheck(torch.ops.engine.fused_add_rms_norm.default, (x, res, w, 1e-6))
-    _opcheck(torch.ops.engine.silu_and_mul.default, (torch.randn(3, 64, generator=g),))
-    qk = torch.randn(3, 6, 16, generator=g)
-    q, k = qk[:, :4], qk[:, 4:]  # strided views, as the layers pass them
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
-    pos = torch.tensor([0, 5, 9])
-    _opcheck(torch.ops.engine.rotary_embedding.default, (pos, q, k, inv_freq, 1.0, True))
-    kv_a = torch.randn(3, 32 + 16, generator=g)
-    q_pe = torch.randn(3, 4, 16, generator=g)
-    q_abs = torch.zeros(3, 4, 32 + 16)
-    args = (kv_a, q_pe, w, 1e-6, pos, inv_freq, 1.0, True, q_abs[..., 32:])
-    _opcheck(torch.ops.engine.mla_preamble.default, args)
+    # Every factory below makes its tensor on the kernels' device.
+    with torch.device(DEVICE):
+        g = torch.Generator(DEVICE).manual_seed(0)
+        x = torch.randn(3, 32, generator=g)
+        res = torch.randn(3, 32, generator=g)
+        w = torch.rand(32, generator=g) + 0.5
+        _opcheck(torch.ops.engine.rms_norm.default, (x, w, 1e-6))
+        _opcheck(torch.ops.engine.fused_add_rms_norm.default, (x, res, w, 1e-6))
+        _opcheck(torch.ops.engine.silu_and_mul.default, (torch.randn(3, 64, generator=g),))
+        qk = torch.randn(3, 6, 16, generator=g)
+        q, k = qk[:, :4], qk[:, 4:]  # strided views, as the layers pass them
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        pos = torch.tensor([0, 5, 9])
+        _opcheck(torch.ops.engine.rotary_embedding.default, (pos, q, k, inv_freq, 1.0, True))
+        kv_a = torch.randn(3, 32 + 16, generator=g)
+        q_pe = torch.randn(3, 4, 16, generator=g)
+        q_abs = torch.zeros(3, 4, 32 + 16)
+        args = (kv_a, q_pe, w, 1e-6, pos, inv_freq, 1.0, True, q_abs[..., 32:])
+        _opcheck(torch.ops.engine.mla_preamble.default, args)
 
 
 def test_custom_ops_moe_and_attention() -> None:
-    g = torch.Generator().manual_seed(1)
-    t, h, e, inter = 3, 32, 4, 16
-    x = torch.randn(t, h, generator=g)
-    gate = torch.randn(e, h, generator=g)
-    router = (x, gate, 2, "softmax", None, 1, 1, True, 1.0, 1)
-    _opcheck(torch.ops.engine.moe_router.default, router)
-    weights, ids = torch.ops.engine.moe_router(*router)
-    w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.1
-    w2 = torch.randn(e, h, inter, generator=g) * 0.1
-    shared_gate_up = torch.randn(2 * inter, h, generator=g) * 0.1
-    shared_down = torch.randn(h, inter, generator=g) * 0.1
-    moe = (x, w13, w2, weights, ids, None, shared_gate_up, shared_down)
-    _opcheck(torch.ops.engine.fused_moe.default, moe)
+    # Every factory below makes its tensor on the kernels' device.
+    with torch.device(DEVICE):
+        g = torch.Generator(DEVICE).manual_seed(1)
+        t, h, e, inter = 3, 32, 4, 16
+        x = torch.randn(t, h, generator=g)
+        gate = torch.randn(e, h, generator=g)
+        router = (x, gate, 2, "softmax", None, 1, 1, True, 1.0, 1)
+        _opcheck(torch.ops.engine.moe_router.default, router)
+        weights, ids = torch.ops.engine.moe_router(*router)
+        w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.1
+        w2 = torch.randn(e, h, inter, generator=g) * 0.1
+        shared_gate_up = torch.randn(2 * inter, h, generator=g) * 0.1
+        shared_down = torch.randn(h, inter, generator=g) * 0.1
+        moe = (x, w13, w2, weights, ids, None, shared_gate_up, shared_down)
+        _opcheck(torch.ops.engine.fused_moe.default, moe)
 
-    slots, c, r, heads = 16, 32, 16, 4
-    kv = torch.zeros(slots, 1, c + r)
-    loc = torch.tensor([3, 7, 9])
-    _opcheck(torch.ops.engine.store_mla_kv.default, (kv, loc, torch.randn(t, c + r), None))
-    kv.normal_(generator=g)
-    table = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)
-    rows, lens = torch.tensor([1, 0]), torch.tensor([5, 8])
-    q = torch.randn(2, heads, c + r, generator=g)
-    _opcheck(torch.ops.engine.mla_decode.default, (q, kv, table, rows, lens, c, 0.1, None, 8, 1))
-    k_buf, v_buf = torch.zeros(slots, 2, 16), torch.zeros(slots, 2, 16)
-    k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
-    _opcheck(torch.ops.engine.store_kv.default, (k_buf, v_buf, loc, k, v, None, None))
-    qg = torch.randn(2, 4, 16, generator=g)
-    gqa = (qg, k_buf, v_buf, table, rows, lens, 0.25, None, None, 8)
-    _opcheck(torch.ops.engine.gqa_decode.default, gqa)
+        slots, c, r, heads = 16, 32, 16, 4
+        kv = torch.zeros(slots, 1, c + r)
+        loc = torch.tensor([3, 7, 9])
+        _opcheck(torch.ops.engine.store_mla_kv.default, (kv, loc, torch.randn(t, c + r), None))
+        kv.normal_(generator=g)
+        table = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)
+        rows, lens = torch.tensor([1, 0]), torch.tensor([5, 8])
+        q = torch.randn(2, heads, c + r, generator=g)
+        _opcheck(
+            torch.ops.engine.mla_decode.default, (q, kv, table, rows, lens, c, 0.1, None, 8, 1)
+        )
+        k_buf, v_buf = torch.zeros(slots, 2, 16), torch.zeros(slots, 2, 16)
+        k, v = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+        _opcheck(torch.ops.engine.store_kv.default, (k_buf, v_buf, loc, k, v, None, None))
+        qg = torch.randn(2, 4, 16, generator=g)
+        gqa = (qg, k_buf, v_buf, table, rows, lens, 0.25, None, None, 8)
+        _opcheck(torch.ops.engine.gqa_decode.default, gqa)
 
 
 def test_layers_call_kernels_directly_when_eager(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +139,7 @@ def test_layers_call_kernels_directly_when_eager(monkeypatch: pytest.MonkeyPatch
         raise AssertionError("the op was called eagerly")
 
     monkeypatch.setattr(custom_ops, "_rms_norm_op", refuse)
-    x, w = torch.randn(2, 16), torch.ones(16)
+    x, w = torch.randn(2, 16, device=DEVICE), torch.ones(16, device=DEVICE)
     torch.testing.assert_close(
         custom_ops.rms_norm(x, w, 1e-6), torch.ops.engine.rms_norm(x, w, 1e-6)
     )
@@ -169,9 +178,10 @@ def _runner(path: str, **overrides: object) -> ModelRunner:
     return ModelRunner(
         EngineConfig(
             model=path,
-            device="cpu",
+            device=DEVICE,
             dtype="float32",
             attention_backend="triton",
+            enable_cuda_graph=False,  # on CUDA: the compiled forward called directly
             max_total_tokens=256,
             max_context_len=64,
             **overrides,  # type: ignore[arg-type]
