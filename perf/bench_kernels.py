@@ -173,6 +173,8 @@ def ours_fns(
         )  # fmt: skip
 
     s_b, s_1, s_8 = split_count(False, PAGE), split_count(False, 1), split_count(True, PAGE)
+    s_81 = split_count(True, 1)
+    kv8_1 = p.cache8.view(-1, 1, C + R)
     return {
         "ours_bf16": lambda: mla_decode_paged(
             q, p.cache, p.block_table, p.seq_lens, C, scale, num_kv_splits=s_b, config=cfg
@@ -212,6 +214,19 @@ def ours_fns(
             num_kv_splits=s_8,
             config=cfg,
         ),  # fmt: skip
+        # The engine's FP8 pool at its default page size 1.
+        "ours_fp8_p1": lambda: mla_decode(
+            q,
+            kv8_1,
+            p.req_to_token,
+            p.req_pool_indices,
+            p.seq_lens,
+            C,
+            scale,
+            k_scale=p.k_scale,
+            num_kv_splits=s_81,
+            config=cfg,
+        ),  # fmt: skip
     }
 
 
@@ -231,8 +246,9 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
         "| heads | batch | ctx | FlashMLA bf16 us | ours bf16 us (GB/s) | ratio | "
         "ours bf16 page-1 us | ratio | ours bf16 engine page-64 us | ratio | "
         "FlashMLA fp8 us | ours fp8 us (GB/s) | "
-        "vs FlashMLA bf16 | vs FlashMLA fp8 | bf16 % copy | fp8 % copy |\n"
-        "|" + " --- |" * 16
+        "vs FlashMLA bf16 | vs FlashMLA fp8 | ours fp8 page-1 us | vs FlashMLA fp8 | "
+        "bf16 % copy | fp8 % copy |\n"
+        "|" + " --- |" * 18
     )
     for batch in args.batches:
         for ctx in args.contexts:
@@ -244,20 +260,22 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
                 check = {}
                 if "fm_bf16" in fns:
                     ref = _out(fns["fm_bf16"]())
-                    for k in ("ours_bf16", "ours_bf16_p1", "ours_bf16_p64", "ours_fp8", "fm_fp8"):
+                    for k in ("ours_bf16", "ours_bf16_p1", "ours_bf16_p64", "ours_fp8",
+                              "ours_fp8_p1", "fm_fp8"):  # fmt: skip
                         check[k] = rel_err(_out(fns[k]()), ref)
                 b16, b8 = p.bytes(heads, 2), p.bytes(heads, 1)
                 rec = {"heads": heads, "batch": batch, "ctx": ctx, "t": t, "err": check}
                 log.append(rec)
                 fm, fm8 = t.get("fm_bf16", float("nan")), t.get("fm_fp8", float("nan"))
                 ob, o1, o8 = t["ours_bf16"], t["ours_bf16_p1"], t["ours_fp8"]
-                o64 = t["ours_bf16_p64"]
+                o64, o81 = t["ours_bf16_p64"], t["ours_fp8_p1"]
                 line = (
                     f"| {heads} | {batch} | {ctx} | {fm * 1e6:.1f} | "
                     f"{ob * 1e6:.1f} ({b16 / ob / 1e9:.0f}) | {fm / ob:.2f}x | "
                     f"{o1 * 1e6:.1f} | {fm / o1:.2f}x | {o64 * 1e6:.1f} | {fm / o64:.2f}x | "
                     f"{fm8 * 1e6:.1f} | "
                     f"{o8 * 1e6:.1f} ({b8 / o8 / 1e9:.0f}) | {fm / o8:.2f}x | {fm8 / o8:.2f}x | "
+                    f"{o81 * 1e6:.1f} | {fm8 / o81:.2f}x | "
                     f"{100 * b16 / ob / 1e9 / copy_gbs:.0f}% | "
                     f"{100 * b8 / o8 / 1e9 / copy_gbs:.0f}% |"
                 )
@@ -270,8 +288,24 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
 
 
 M = MLADecodeConfig
-# Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens).
+# Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead).
 TUNE = {
+    # The engine's layout (page size 1): never tuned before; slot ids one tile ahead or not.
+    (16, "ours_bf16_p1"): [
+        M(16, 64, 4, 3),
+        M(16, 64, 4, 3, slots_ahead=0),
+        M(16, 64, 4, 4),
+        M(16, 64, 4, 4, slots_ahead=0),
+        M(16, 64, 4, 2),
+        M(16, 32, 4, 4),
+        M(16, 32, 4, 4, slots_ahead=0),
+    ],
+    (16, "ours_fp8_p1"): [
+        M(16, 64, 4, 3),
+        M(16, 64, 4, 3, slots_ahead=0),
+        M(16, 64, 4, 2),
+        M(16, 64, 8, 3),
+    ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 2),
@@ -296,7 +330,7 @@ TUNE = {
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int, ...]:
-    return tuple(int(v) for v in cfg[:4])
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead)
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:
@@ -326,6 +360,9 @@ def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
                 for kind in args.kinds:
                     results = []
                     errs: dict[tuple[int, ...], float] = {}
+                    if (heads, kind) not in TUNE:
+                        print(f"  no tile configs for {kind} at {heads} heads", flush=True)
+                        continue
                     for cfg in TUNE[(heads, kind)]:
                         try:
                             out = ours_fns(p, q, scale, cfg, 2)[kind]()
@@ -632,7 +669,12 @@ def main() -> None:
     ap.add_argument("--tune-fp8-bmm", action="store_true", help="FP8 bmm: also sweep tiles")
     ap.add_argument("--fp8-bmm-batches", type=int, nargs="+", default=list(FP8_BMM_BATCHES))
     ap.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
-    ap.add_argument("--kinds", nargs="+", default=["ours_bf16", "ours_fp8"], help="for --tune")
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["ours_bf16", "ours_fp8"],
+        help="for --tune: ours_bf16, ours_fp8 (paged), ours_bf16_p1, ours_fp8_p1 (page size 1)",
+    )
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")

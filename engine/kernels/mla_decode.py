@@ -120,6 +120,7 @@ def _mla_decode_stage1(
     IS_FP8: tl.constexpr,
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr = 1,  # page size 1: slot ids one tile ahead (1) or not (0)
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -140,13 +141,13 @@ def _mla_decode_stage1(
     offs_r = tl.arange(0, R)
     offs_t = tl.arange(0, BLOCK_N)
     table_row = table_ptr + row * stride_table
-    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead, so the KV loads
-    # never wait on an index load issued in the same iteration. FP8 tiles are loaded into
-    # registers (for the conversion), not by the pipeliner's async copies, so with pages they
-    # read the next page id one iteration ahead too; bf16 tiles are faster without that.
-    if PAGE_SIZE == 1:
+    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead (SLOTS_AHEAD), so
+    # the KV loads never wait on an index load issued in the same iteration. FP8 tiles are
+    # loaded into registers (for the conversion), not by the pipeliner's async copies, so with
+    # pages they read the next page id one iteration ahead too; bf16 tiles are faster without.
+    if PAGE_SIZE == 1 and SLOTS_AHEAD:
         next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
-    elif IS_FP8:
+    elif IS_FP8 and PAGE_SIZE > 1:
         next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     else:
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -176,9 +177,11 @@ def _mla_decode_stage1(
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
-        if PAGE_SIZE == 1:
+        if PAGE_SIZE == 1 and SLOTS_AHEAD:
             slot = next_slot.to(tl.int64)
             next_slot = tl.load(table_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < end, other=0)
+        elif PAGE_SIZE == 1:
+            slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         elif IS_FP8:
             slot = next_slot
             next_slot = _page_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
@@ -273,6 +276,9 @@ class MLADecodeConfig(NamedTuple):
     num_stages: int
     waves: float = 2.0  # split count aims at this many programs per SM
     min_split_tokens: int = 256
+    # Page size 1: 1 reads a tile's slot ids one iteration ahead, into registers; 0 reads them
+    # in the tile's own iteration and leaves the indirect load to Triton's pipeliner.
+    slots_ahead: int = 1
 
 
 def default_config(num_heads: int, is_fp8: bool) -> MLADecodeConfig:
@@ -378,6 +384,7 @@ def _launch(
         IS_FP8=is_fp8,
         USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
+        SLOTS_AHEAD=cfg.slots_ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,
