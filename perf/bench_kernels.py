@@ -173,60 +173,29 @@ def ours_fns(
         )  # fmt: skip
 
     s_b, s_1, s_8 = split_count(False, PAGE), split_count(False, 1), split_count(True, PAGE)
-    s_81 = split_count(True, 1)
-    kv8_1 = p.cache8.view(-1, 1, C + R)
+    kv8 = p.cache8.view(-1, 1, C + R)
+
+    def engine_pool(kv: torch.Tensor, splits: int, k_scale: Any = None, page: int = 1) -> Any:
+        """The engine's pool: one slot id per position in `req_to_token` (page size 1), or
+        one per tile with `page` (its paged pool)."""
+        return lambda: mla_decode(
+            q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens, C, scale, k_scale=k_scale,
+            num_kv_splits=splits, config=cfg, page_size=page,
+        )  # fmt: skip
+
+    def paged(cache: torch.Tensor, splits: int, k_scale: Any = None) -> Any:
+        """FlashMLA's layout: a block table over [pages, PAGE, 1, C + R]."""
+        return lambda: mla_decode_paged(
+            q, cache, p.block_table, p.seq_lens, C, scale, k_scale=k_scale,
+            num_kv_splits=splits, config=cfg,
+        )  # fmt: skip
+
     return {
-        "ours_bf16": lambda: mla_decode_paged(
-            q, p.cache, p.block_table, p.seq_lens, C, scale, num_kv_splits=s_b, config=cfg
-        ),
-        "ours_bf16_p1": lambda: mla_decode(
-            q,
-            kv1,
-            p.req_to_token,
-            p.req_pool_indices,
-            p.seq_lens,
-            C,
-            scale,
-            num_kv_splits=s_1,
-            config=cfg,
-        ),  # fmt: skip
-        # The engine's paged pool (page_size 64): the same req_to_token, one slot id per tile.
-        "ours_bf16_p64": lambda: mla_decode(
-            q,
-            kv1,
-            p.req_to_token,
-            p.req_pool_indices,
-            p.seq_lens,
-            C,
-            scale,
-            num_kv_splits=s_b,
-            config=cfg,
-            page_size=PAGE,
-        ),  # fmt: skip
-        "ours_fp8": lambda: mla_decode_paged(
-            q,
-            p.cache8,
-            p.block_table,
-            p.seq_lens,
-            C,
-            scale,
-            k_scale=p.k_scale,
-            num_kv_splits=s_8,
-            config=cfg,
-        ),  # fmt: skip
-        # The engine's FP8 pool at its default page size 1.
-        "ours_fp8_p1": lambda: mla_decode(
-            q,
-            kv8_1,
-            p.req_to_token,
-            p.req_pool_indices,
-            p.seq_lens,
-            C,
-            scale,
-            k_scale=p.k_scale,
-            num_kv_splits=s_81,
-            config=cfg,
-        ),  # fmt: skip
+        "ours_bf16": paged(p.cache, s_b),
+        "ours_bf16_p1": engine_pool(kv1, s_1),
+        "ours_bf16_p64": engine_pool(kv1, s_b, page=PAGE),
+        "ours_fp8": paged(p.cache8, s_8, p.k_scale),
+        "ours_fp8_p1": engine_pool(kv8, split_count(True, 1), p.k_scale),
     }
 
 
