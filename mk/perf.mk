@@ -9,6 +9,9 @@
 #   make loadtest USERS=16 SPAWN_RATE=4 DURATION=2m URL=http://localhost:8000
 #
 # Every request asks for exactly MAX_TOKENS tokens, with a prompt of PROMPT_WORDS random words.
+#
+#   make flashmla-wheel   the FlashMLA wheel (the peer of perf/bench_kernels.py) into .whl/, to
+#                         carry to the GPU machine with perf/device_check.sh
 
 CONCURRENCY ?= 1:8:1
 REQUESTS ?= 32
@@ -22,7 +25,12 @@ RESULTS ?= perf/results
 sweep: URL ?= localhost:8001
 loadtest: URL ?= http://localhost:8000
 
-.PHONY: sweep loadtest
+FLASHMLA_WHEEL ?= sgl-flash-mla==1.0.0
+
+.PHONY: sweep loadtest flashmla-wheel
+
+flashmla-wheel: setup
+	$(VENV)/bin/pip download --quiet --no-deps --only-binary :all: --dest .whl '$(FLASHMLA_WHEEL)'
 
 sweep: perf-deps
 	$(PY) perf/sweep.py --url '$(URL)' --concurrency '$(CONCURRENCY)' --requests '$(REQUESTS)' \

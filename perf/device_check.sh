@@ -8,7 +8,7 @@
 #
 # Through the device tool, from the repository root, carrying the FlashMLA wheel and the default
 # tokenizer (the model's weights are too large to carry; the benchmarks use random weights):
-#   carry: .whl, models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
+#   carry: .whl (`make flashmla-wheel`), models/smollm2-135m-instruct/{tokenizer.json,tokenizer_config.json,chat_template.jinja}
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
