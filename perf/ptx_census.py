@@ -1,0 +1,117 @@
+"""Compile the MLA decode kernel (stage 1) for Hopper without a GPU and count what its PTX does.
+
+Triton compiles for a named target on any machine, so the structure of a kernel variant (which
+MMA instructions, how the KV tiles and the slot ids are loaded, how deep the copies are
+pipelined) can be read before a GPU session measures it. The counts are static (prologue, loop
+and epilogue together), not timings. Use the Triton the GPU machine has (3.6 on the H200), e.g.
+`pip install --target /tmp/tri36 --no-deps triton==3.6.0` and `PYTHONPATH=/tmp/tri36`.
+
+    .venv/bin/python perf/ptx_census.py                  # every variant below
+    .venv/bin/python perf/ptx_census.py p1 --keep /tmp   # names containing "p1"; PTX kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.kernels.mla_decode import _mla_decode_stage1  # noqa: E402
+
+_STRIDES = (
+    "stride_qb", "stride_qh", "stride_kv", "stride_table",
+    "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh",
+)  # fmt: skip
+
+# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages); 16 heads use one
+# 16-head group, 128 heads the 64-head group of default_config.
+VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int]] = {
+    "h16 paged bf16": (64, False, 1, 16, 64, 4, 3),
+    "h16 p1 bf16 ahead": (1, False, 1, 16, 64, 4, 3),
+    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3),
+    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3),
+    "h16 p1 fp8 ahead": (1, True, 1, 16, 64, 4, 3),
+    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3),
+    "h128 paged bf16": (64, False, 1, 64, 64, 8, 2),
+    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2),
+}
+
+PATTERNS = {
+    "mma.sync": r"\bmma\.sync",
+    "wgmma": r"wgmma\.mma_async",
+    "wgmma shapes": r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
+    "wgmma waits": r"wgmma\.wait_group\.sync\.aligned (\d+)",
+    "cp.async 16B": r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10",
+    "cp.async 4B": r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], 0x4",
+    "cp.async waits": r"cp\.async\.wait_group\s+(\d+)",
+    "ld.global scalar": r"ld\.global\.b32",
+    "ld.global vector": r"ld\.global[.\w]*\.v\d",
+    "ldmatrix": r"ldmatrix",
+    "bar.sync": r"bar\.sync",
+}
+
+
+def compile_ptx(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
+                stages: int) -> str:  # fmt: skip
+    sig: dict[str, str] = {
+        "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
+        "row_idx_ptr": "*i64", "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32",
+        "mid_lse_ptr": "*fp32", "qk_scale": "fp32", "k_scale_ptr": "*fp32",
+    }  # fmt: skip
+    sig.update({n: "i32" for n in (*_STRIDES, "num_heads", "num_splits")})
+    consts: dict[str, Any] = dict(
+        C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
+        HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
+        USE_PDL=False,
+    )  # fmt: skip
+    sig.update({c: "constexpr" for c in consts})
+    names = list(sig)
+    # Pointers and the leading strides are multiples of 16, as Triton specializes them at run time.
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in _STRIDES[:7]]
+    src = ASTSource(
+        fn=_mla_decode_stage1,
+        signature=sig,
+        constexprs={(names.index(c),): v for c, v in consts.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+    )
+    options = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def census(ptx: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, pattern in PATTERNS.items():
+        found = re.findall(pattern, ptx)
+        if found and isinstance(found[0], str) and "(" in pattern:
+            out[name] = {k: found.count(k) for k in sorted(set(found))}
+        else:
+            out[name] = len(found)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("only", nargs="?", default="", help="variants whose name contains this")
+    ap.add_argument("--keep", help="write each variant's PTX into this directory")
+    a = ap.parse_args()
+    print(f"triton {triton.__version__}, target sm_90")
+    for name, params in VARIANTS.items():
+        if a.only not in name:
+            continue
+        ptx = compile_ptx(*params)
+        if a.keep:
+            (Path(a.keep) / (name.replace(" ", "_") + ".ptx")).write_text(ptx)
+        counts = "; ".join(f"{k} {v}" for k, v in census(ptx).items() if v)
+        print(f"{name}: {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
