@@ -73,7 +73,10 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
         assert dec["steps"] == 3 and math.isclose(dec["mean_batch"], r["n"])
         assert 0 < dec["ceiling_share"] and dec["ceiling_tok_s"] > 0
         assert pre["tokens"] == 32 * r["n"] and pre["tflop_s"] > 0
-    assert set(res["profile"]) == {"bf16_b2"}
+    # The compiled engine's batch-1 step is profiled too (where its time goes).
+    assert set(res["profile"]) == {"bf16_b2", "compile_native_b1"}
+    compiled_prof = res["profile"]["compile_native_b1"]
+    assert compiled_prof["steps"] == 2 and compiled_prof["batch_sizes"] == [1]
     prof = res["profile"]["bf16_b2"]
     assert (
         prof["steps"] == 2
