@@ -13,6 +13,8 @@ and epilogue together), not timings. Use the Triton the GPU machine has (3.6 on 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -97,20 +99,27 @@ def census(ptx: str) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("only", nargs="?", default="", help="variants whose name contains this")
     ap.add_argument("--keep", help="write each variant's PTX into this directory")
-    a = ap.parse_args()
+    ap.add_argument("--json", help="write the counts here too")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("the kernels must be compiled: run without TRITON_INTERPRET=1")
     print(f"triton {triton.__version__}, target sm_90")
+    results: dict[str, dict[str, Any]] = {}
     for name, params in VARIANTS.items():
         if a.only not in name:
             continue
         ptx = compile_ptx(*params)
         if a.keep:
             (Path(a.keep) / (name.replace(" ", "_") + ".ptx")).write_text(ptx)
-        counts = "; ".join(f"{k} {v}" for k, v in census(ptx).items() if v)
+        results[name] = census(ptx)
+        counts = "; ".join(f"{k} {v}" for k, v in results[name].items() if v)
         print(f"{name}: {counts}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
