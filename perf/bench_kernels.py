@@ -260,19 +260,22 @@ M = MLADecodeConfig
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead).
 TUNE = {
     # The engine's layout (page size 1): never tuned before; slot ids one tile ahead or not.
+    # Compiled for sm_90 (perf/ptx_census.py), ids ahead double-buffer the tiles: 164 KB of
+    # shared memory at 64 tokens (one program an SM), 91 KB at 32; with their tile one buffer,
+    # 92.5 KB at 64 (two programs an SM, like the paged bf16 kernel's 92 KB).
     (16, "ours_bf16_p1"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 3, slots_ahead=0),
-        M(16, 64, 4, 4),
-        M(16, 64, 4, 4, slots_ahead=0),
-        M(16, 64, 4, 2),
+        M(16, 64, 4, 2, slots_ahead=0),
+        M(16, 32, 4, 3),
+        M(16, 32, 4, 3, slots_ahead=0),
         M(16, 32, 4, 4),
-        M(16, 32, 4, 4, slots_ahead=0),
+        M(16, 64, 8, 3, slots_ahead=0),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 3, slots_ahead=0),
-        M(16, 64, 4, 2),
+        M(16, 32, 4, 3),
         M(16, 64, 8, 3),
     ],
     (16, "ours_bf16"): [
@@ -281,6 +284,7 @@ TUNE = {
         M(16, 64, 4, 4),
         M(16, 32, 4, 4),
         M(16, 64, 8, 3),
+        M(16, 32, 4, 3, slots_ahead=1),  # page ids ahead: double-buffered, 91 KB
     ],
     (16, "ours_fp8"): [
         M(16, 64, 4, 3),

@@ -34,15 +34,21 @@ _STRIDES = (
 )  # fmt: skip
 
 # name: (page size, fp8, slots ahead, block_h, block_n, warps, stages); 16 heads use one
-# 16-head group, 128 heads the 64-head group of default_config.
+# 16-head group, 128 heads the 64-head group of default_config. "ahead" as the kernel's default
+# (`resolve_slots_ahead`) unless the name says otherwise.
 VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int]] = {
-    "h16 paged bf16": (64, False, 1, 16, 64, 4, 3),
-    "h16 p1 bf16 ahead": (1, False, 1, 16, 64, 4, 3),
+    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3),
+    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3),
+    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3),
+    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3),
+    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3),
     "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3),
+    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3),
+    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3),
     "h16 paged fp8": (64, True, 1, 16, 64, 4, 3),
-    "h16 p1 fp8 ahead": (1, True, 1, 16, 64, 4, 3),
+    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3),
     "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3),
-    "h128 paged bf16": (64, False, 1, 64, 64, 8, 2),
+    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2),
     "h128 paged fp8": (64, True, 1, 64, 64, 8, 2),
 }
 
@@ -61,8 +67,9 @@ PATTERNS = {
 }
 
 
-def compile_ptx(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
-                stages: int) -> str:  # fmt: skip
+def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
+                   stages: int) -> Any:  # fmt: skip
+    """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
         "row_idx_ptr": "*i64", "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32",
@@ -85,7 +92,7 @@ def compile_ptx(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, wa
         attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     options = dict(num_warps=warps, num_stages=stages)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def census(ptx: str) -> dict[str, Any]:
@@ -101,7 +108,7 @@ def census(ptx: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("only", nargs="?", default="", help="variants whose name contains this")
+    ap.add_argument("only", nargs="*", help="variants whose name one of these regexes finds")
     ap.add_argument("--keep", help="write each variant's PTX into this directory")
     ap.add_argument("--json", help="write the counts here too")
     a = ap.parse_args(argv)
@@ -110,12 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"triton {triton.__version__}, target sm_90")
     results: dict[str, dict[str, Any]] = {}
     for name, params in VARIANTS.items():
-        if a.only not in name:
+        if a.only and not any(re.search(pattern, name) for pattern in a.only):
             continue
-        ptx = compile_ptx(*params)
+        compiled = compile_kernel(*params)
+        ptx = compiled.asm["ptx"]
         if a.keep:
             (Path(a.keep) / (name.replace(" ", "_") + ".ptx")).write_text(ptx)
-        results[name] = census(ptx)
+        results[name] = {"shared KB": round(compiled.metadata.shared / 1024, 1), **census(ptx)}
         counts = "; ".join(f"{k} {v}" for k, v in results[name].items() if v)
         print(f"{name}: {counts}", flush=True)
     if a.json:

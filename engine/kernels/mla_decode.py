@@ -120,7 +120,7 @@ def _mla_decode_stage1(
     IS_FP8: tl.constexpr,
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
-    SLOTS_AHEAD: tl.constexpr = 1,  # page size 1: slot ids one tile ahead (1) or not (0)
+    SLOTS_AHEAD: tl.constexpr = True,  # slot (page) ids one tile ahead, or with their tile
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -141,13 +141,12 @@ def _mla_decode_stage1(
     offs_r = tl.arange(0, R)
     offs_t = tl.arange(0, BLOCK_N)
     table_row = table_ptr + row * stride_table
-    # NOTE: page size 1 reads the next tile's slot ids one iteration ahead (SLOTS_AHEAD), so
-    # the KV loads never wait on an index load issued in the same iteration. FP8 tiles are
-    # loaded into registers (for the conversion), not by the pipeliner's async copies, so with
-    # pages they read the next page id one iteration ahead too; bf16 tiles are faster without.
+    # NOTE: with SLOTS_AHEAD the next tile's slot (page) ids are read one iteration ahead, so
+    # the KV loads never wait on an index load issued in the same iteration; without it they
+    # are read with their tile and Triton's pipeliner places them (`resolve_slots_ahead`).
     if PAGE_SIZE == 1 and SLOTS_AHEAD:
         next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
-    elif IS_FP8 and PAGE_SIZE > 1:
+    elif SLOTS_AHEAD:
         next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     else:
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -182,7 +181,7 @@ def _mla_decode_stage1(
             next_slot = tl.load(table_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < end, other=0)
         elif PAGE_SIZE == 1:
             slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        elif IS_FP8:
+        elif SLOTS_AHEAD:
             slot = next_slot
             next_slot = _page_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
         else:
@@ -276,9 +275,18 @@ class MLADecodeConfig(NamedTuple):
     num_stages: int
     waves: float = 2.0  # split count aims at this many programs per SM
     min_split_tokens: int = 256
-    # Page size 1: 1 reads a tile's slot ids one iteration ahead, into registers; 0 reads them
-    # in the tile's own iteration and leaves the indirect load to Triton's pipeliner.
-    slots_ahead: int = 1
+    # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
+    # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
+    slots_ahead: int | None = None
+
+
+def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
+    """`cfg.slots_ahead`, or the kernel's choice before it was an option: ahead except for
+    bf16 pages (FP8 tiles go through registers for their conversion; bf16 pages were faster
+    without). Page size 1 with its ids read with the tile has not been timed yet (issue 16)."""
+    if cfg.slots_ahead is not None:
+        return bool(cfg.slots_ahead)
+    return page_size == 1 or is_fp8
 
 
 def default_config(num_heads: int, is_fp8: bool) -> MLADecodeConfig:
@@ -384,7 +392,7 @@ def _launch(
         IS_FP8=is_fp8,
         USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
-        SLOTS_AHEAD=cfg.slots_ahead,
+        SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,

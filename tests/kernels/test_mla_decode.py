@@ -212,9 +212,15 @@ def test_choose_num_kv_splits() -> None:
     assert choose_num_kv_splits(1, 16, 10, sms=132) == 1
 
 
-@pytest.mark.parametrize("page,fp8", [(16, False), (32, False), (16, True)])
-def test_mla_decode_paged_slots(page: int, fp8: bool, device: torch.device) -> None:
-    """The engine's paged layout: req_to_token holds every slot, each page's slots consecutive."""
+@pytest.mark.parametrize(
+    "page,fp8,ahead",
+    [(16, False, None), (32, False, None), (16, True, None), (16, False, 1), (16, True, 0)],
+)
+def test_mla_decode_paged_slots(
+    page: int, fp8: bool, ahead: int | None, device: torch.device
+) -> None:
+    """The engine's paged layout: req_to_token holds every slot, each page's slots consecutive.
+    Page ids read with their tile or one tile ahead (`slots_ahead`; None: the default)."""
     g = torch.Generator().manual_seed(page)
     seq_lens, heads = [1, page, 3 * page + 5, 2 * page - 1], 16
     num_pages = sum(-(-n // page) for n in seq_lens) + 3
@@ -241,7 +247,7 @@ def test_mla_decode_paged_slots(page: int, fp8: bool, device: torch.device) -> N
         q = q.to(torch.bfloat16)
     out = mla_decode(
         q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks, num_kv_splits=3, page_size=page,
-        config=_small_config(device),
+        config=_small_config(device)._replace(slots_ahead=ahead),
     )  # fmt: skip
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
     assert _rel_err(out, ref) < 2e-2
