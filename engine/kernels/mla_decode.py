@@ -120,7 +120,7 @@ def _mla_decode_stage1(
     IS_FP8: tl.constexpr,
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
-    SLOTS_AHEAD: tl.constexpr = True,  # slot (page) ids one tile ahead, or with their tile
+    SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
