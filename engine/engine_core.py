@@ -159,7 +159,10 @@ class EngineCore:
         it (overlap) or of this one (no overlap). Returns False when there was nothing to do."""
         self.last_wait_s = 0.0
         previous, self._launched = self._launched, None
-        if previous is not None and previous.blocks_scheduling:
+        # The previous batch's tokens are processed after this step's launch unless the
+        # schedule needs them first.
+        after_launch = previous if previous is not None and not previous.blocks_scheduling else None
+        if previous is not None and after_launch is None:
             self._process(previous)
         out = self.scheduler.schedule()
         if out is not None:
@@ -168,11 +171,11 @@ class EngineCore:
             except Exception:
                 # Step n's tokens were computed before step n+1 failed: stream them first, as
                 # without overlap, then let the caller fail what is left.
-                if previous is not None and not previous.blocks_scheduling:
-                    self._process(previous)
+                if after_launch is not None:
+                    self._process(after_launch)
                 raise
-        if previous is not None and not previous.blocks_scheduling:
-            self._process(previous)  # the device runs the batch just launched meanwhile
+        if after_launch is not None:
+            self._process(after_launch)  # the device runs the batch just launched meanwhile
         if self._launched is not None and not self.overlap:
             launched, self._launched = self._launched, None
             self._process(launched)
