@@ -257,31 +257,25 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
 
 
 M = MLADecodeConfig
-# Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead).
+# Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
+# prefetch).
 TUNE = {
-    # The engine's layout (page size 1): never tuned before; slot ids one tile ahead or not.
-    # Compiled for sm_90 (perf/ptx_census.py), ids ahead double-buffer the tiles: 164 KB of
-    # shared memory at 64 tokens (one program an SM), 91 KB at 32; with their tile one buffer,
-    # 92.5 KB at 64 (two programs an SM, like the paged bf16 kernel's 92 KB).
+    # The engine's layout (page size 1). Run AE (perf/RESULTS.md) swept slot ids ahead or with
+    # their tile at 64-, 32- and 16-token tiles and 2-4 stages: ids ahead with 32-token tiles
+    # won for bf16 at batch 16 and above, the 64-token tile for FP8; ids with their tile never
+    # won. Kept here: those winners, beside the kernel's own register prefetch (one stage).
     (16, "ours_bf16_p1"): [
         M(16, 64, 4, 3),
-        M(16, 64, 4, 3, slots_ahead=0),
-        M(16, 64, 4, 2, slots_ahead=0),
         M(16, 32, 4, 3),
-        M(16, 32, 4, 3, slots_ahead=0),
-        M(16, 32, 4, 4),
-        M(16, 32, 4, 2, slots_ahead=0),
-        M(16, 64, 8, 3, slots_ahead=0),
+        M(16, 32, 4, 1, prefetch=True),
+        M(16, 64, 4, 1, prefetch=True),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 3),
-        M(16, 64, 4, 3, slots_ahead=0),
-        M(16, 32, 4, 3),
-        M(16, 32, 4, 3, slots_ahead=0),
-        M(16, 32, 4, 2),
-        M(16, 32, 4, 2, slots_ahead=0),
-        M(16, 16, 4, 3, slots_ahead=0),
-        M(16, 64, 8, 3),
+        M(16, 64, 4, 1, prefetch=True),
+        M(16, 32, 4, 1, prefetch=True),
+        M(16, 64, 8, 1, prefetch=True),
+        M(16, 16, 4, 1, prefetch=True),
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
@@ -295,6 +289,7 @@ TUNE = {
         M(16, 64, 4, 3),
         M(16, 64, 4, 2),
         M(16, 64, 8, 3),
+        M(16, 64, 4, 1, prefetch=True),
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
@@ -307,8 +302,8 @@ TUNE = {
 }
 
 
-def _cfg_key(cfg: MLADecodeConfig) -> tuple[int, ...]:
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead)
+def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.prefetch))
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:

@@ -66,6 +66,26 @@ def _page_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: 
 
 
 @triton.jit
+def _tile_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: tl.constexpr):
+    """Slot ids of the tile at n (0 past `end`): one id per token at page size 1, else made
+    from the tile's page (`_page_slots`)."""
+    if PAGE_SIZE == 1:
+        slots = tl.load(table_row + n + offs_t, mask=n + offs_t < end, other=0)
+    else:
+        slots = _page_slots(table_row, n, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+    return slots
+
+
+@triton.jit
+def _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr):
+    """The latent [BLOCK_N, C] and RoPE [BLOCK_N, R] parts of the rows at `slot`."""
+    kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+    kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+    pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+    return kv, pe
+
+
+@triton.jit
 def _e4m3_to_f16(x, USE_PTX: tl.constexpr):
     """e4m3 -> fp16 (exact), converted in the layout the tile was loaded in."""
     if USE_PTX:
@@ -121,6 +141,7 @@ def _mla_decode_stage1(
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
+    PREFETCH: tl.constexpr,  # KV tiles loaded into registers one tile ahead (num_stages 1)
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -144,10 +165,11 @@ def _mla_decode_stage1(
     # NOTE: with SLOTS_AHEAD the next tile's slot (page) ids are read one iteration ahead, so
     # the KV loads never wait on an index load issued in the same iteration; without it they
     # are read with their tile and Triton's pipeliner places them (`resolve_slots_ahead`).
-    if PAGE_SIZE == 1 and SLOTS_AHEAD:
-        next_slot = tl.load(table_row + start + offs_t, mask=start + offs_t < end, other=0)
-    elif SLOTS_AHEAD:
-        next_slot = _page_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+    # PREFETCH goes one further: the kernel itself loads tile i + 1 into registers before it
+    # works on tile i (ids two tiles ahead), instead of Triton's asynchronous copies through
+    # shared memory, which an FP8 tile would pass through twice (bytes, then fp16).
+    if SLOTS_AHEAD or PREFETCH:
+        next_slot = _tile_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     else:
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
     pdl_wait(USE_PDL)
@@ -173,26 +195,32 @@ def _mla_decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    if PREFETCH:
+        next_kv, next_pe = _load_tile(
+            kv_ptr, next_slot, start + offs_t < end, offs_c, offs_r, stride_kv, C
+        )
+        next_slot = _tile_slots(table_row, start + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
-        if PAGE_SIZE == 1 and SLOTS_AHEAD:
-            slot = next_slot.to(tl.int64)
-            next_slot = tl.load(table_row + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < end, other=0)
-        elif PAGE_SIZE == 1:
-            slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        elif SLOTS_AHEAD:
-            slot = next_slot
-            next_slot = _page_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+        if PREFETCH:
+            kv, pe = next_kv, next_pe
+            next_kv, next_pe = _load_tile(
+                kv_ptr, next_slot, offs_n + BLOCK_N < end, offs_c, offs_r, stride_kv, C
+            )
+            next_slot = _tile_slots(table_row, n + 2 * BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
         else:
-            if SLOT_TABLE:
+            if SLOTS_AHEAD:
+                slot = next_slot.to(tl.int64)
+                next_slot = _tile_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+            elif PAGE_SIZE == 1:
+                slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            elif SLOT_TABLE:
                 slot = tl.load(table_row + n).to(tl.int64) + offs_t
             else:
                 page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
                 slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_rows = kv_ptr + slot[:, None] * stride_kv
-        kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
-        pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+            kv, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C)
         if IS_FP8:
             kv = _e4m3_to_f16(kv, USE_PTX)
             pe = _e4m3_to_f16(pe, USE_PTX)
@@ -278,6 +306,9 @@ class MLADecodeConfig(NamedTuple):
     # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
     # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
     slots_ahead: int | None = None
+    # KV tiles loaded into registers one tile ahead by the kernel (give num_stages=1: Triton's
+    # own pipelining is then off), the slot ids two tiles ahead.
+    prefetch: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -393,6 +424,7 @@ def _launch(
         USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,

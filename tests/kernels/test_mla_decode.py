@@ -113,9 +113,10 @@ def test_mla_decode_fp8(seq_lens: list[int], splits: int, device: torch.device) 
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_mla_decode_slot_ids_in_the_tiles_own_iteration(fp8: bool, device: torch.device) -> None:
-    """Page size 1 with `slots_ahead=0` (the slot ids loaded with their tile, not one tile
-    ahead) gives the same output as the default: mixed lengths, several tiles a split."""
+def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
+    """Page size 1 with the slot ids loaded one tile ahead (the default), with their tile
+    (`slots_ahead=0`), and with the KV tiles themselves prefetched into registers
+    (`prefetch`): the same output, mixed lengths, several tiles a split."""
     q, kv, req_to_token, rows, lens = _pool_inputs(
         [3, 50, 97], 16, torch.float32, seed=9, device=device
     )
@@ -124,27 +125,32 @@ def test_mla_decode_slot_ids_in_the_tiles_own_iteration(fp8: bool, device: torch
     if fp8:
         k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
         kv = quantize_fp8(kv, k_scale)
-    outs = []
-    for ahead in (1, 0):
-        cfg = _small_config(device)._replace(slots_ahead=ahead)
-        outs.append(
-            mla_decode(
-                q,
-                kv,
-                req_to_token,
-                rows,
-                lens,
-                C,
-                scale,
-                k_scale=k_scale,
-                num_kv_splits=3,
-                config=cfg,
-            )  # fmt: skip
-        )
+    base = _small_config(device)
+    forms = [
+        base._replace(slots_ahead=1),
+        base._replace(slots_ahead=0),
+        base._replace(num_stages=1, prefetch=True),
+    ]
+    outs = [
+        mla_decode(
+            q,
+            kv,
+            req_to_token,
+            rows,
+            lens,
+            C,
+            scale,
+            k_scale=k_scale,
+            num_kv_splits=3,
+            config=cfg,
+        )  # fmt: skip
+        for cfg in forms
+    ]
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale, k_scale=k_scale)
-    assert _rel_err(outs[1], ref) < 2e-2
-    # The same tiles in the same order: the two forms agree (bitwise under the interpreter).
-    assert _rel_err(outs[0], outs[1]) < 1e-3
+    assert _rel_err(outs[0], ref) < 2e-2
+    # The same tiles in the same order: the forms agree (bitwise under the interpreter).
+    for out in outs[1:]:
+        assert _rel_err(out, outs[0]) < 1e-3
 
 
 def test_mla_decode_fp8_large_q(device: torch.device) -> None:
@@ -213,14 +219,23 @@ def test_choose_num_kv_splits() -> None:
 
 
 @pytest.mark.parametrize(
-    "page,fp8,ahead",
-    [(16, False, None), (32, False, None), (16, True, None), (16, False, 1), (16, True, 0)],
+    "page,fp8,ahead,prefetch",
+    [
+        (16, False, None, False),
+        (32, False, None, False),
+        (16, True, None, False),
+        (16, False, 1, False),
+        (16, True, 0, False),
+        (16, True, None, True),
+        (32, False, None, True),
+    ],
 )
 def test_mla_decode_paged_slots(
-    page: int, fp8: bool, ahead: int | None, device: torch.device
+    page: int, fp8: bool, ahead: int | None, prefetch: bool, device: torch.device
 ) -> None:
     """The engine's paged layout: req_to_token holds every slot, each page's slots consecutive.
-    Page ids read with their tile or one tile ahead (`slots_ahead`; None: the default)."""
+    Page ids read with their tile or one tile ahead (`slots_ahead`; None: the default), or
+    the tiles prefetched into registers (`prefetch`)."""
     g = torch.Generator().manual_seed(page)
     seq_lens, heads = [1, page, 3 * page + 5, 2 * page - 1], 16
     num_pages = sum(-(-n // page) for n in seq_lens) + 3
@@ -247,7 +262,9 @@ def test_mla_decode_paged_slots(
         q = q.to(torch.bfloat16)
     out = mla_decode(
         q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks, num_kv_splits=3, page_size=page,
-        config=_small_config(device)._replace(slots_ahead=ahead),
+        config=_small_config(device)._replace(
+            slots_ahead=ahead, prefetch=prefetch, num_stages=1 if prefetch else 2
+        ),
     )  # fmt: skip
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
     assert _rel_err(out, ref) < 2e-2
