@@ -166,7 +166,7 @@ def ours_fns(
     def split_count(fp8: bool, page: int) -> int:
         if splits is not None:
             return splits
-        c = cfg or default_config(heads, fp8)
+        c = cfg or default_config(heads, fp8, page)
         return choose_num_kv_splits(
             p.batch, heads, p.ctx, c.block_h, c.block_n, waves=c.waves,
             min_tokens_per_split=c.min_split_tokens,
