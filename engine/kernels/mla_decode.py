@@ -77,12 +77,20 @@ def _tile_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: 
 
 
 @triton.jit
-def _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr):
-    """The latent [BLOCK_N, C] and RoPE [BLOCK_N, R] parts of the rows at `slot`."""
+def _load_tile(
+    kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr
+):
+    """The latent and RoPE [BLOCK_N, R] parts of the rows at `slot`: the latent whole
+    [BLOCK_N, C], or with HALVES its two halves [BLOCK_N, C / 2] (offs_c spans one half; without
+    HALVES the second one returned is the first again)."""
     kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
     kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+    if HALVES:
+        kv_hi = tl.load(kv_rows + C // 2 + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        kv_hi = kv
     pe = tl.load(kv_rows + C + offs_r[None, :], mask=mask_n[:, None], other=0.0)
-    return kv, pe
+    return kv, kv_hi, pe
 
 
 @triton.jit
@@ -142,6 +150,7 @@ def _mla_decode_stage1(
     UPCAST: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
     PREFETCH: tl.constexpr,  # KV tiles loaded into registers one tile ahead (num_stages 1)
+    HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -158,7 +167,7 @@ def _mla_decode_stage1(
 
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
-    offs_c = tl.arange(0, C)
+    offs_c = tl.arange(0, C // 2 if HALVES else C)
     offs_r = tl.arange(0, R)
     offs_t = tl.arange(0, BLOCK_N)
     table_row = table_ptr + row * stride_table
@@ -175,6 +184,9 @@ def _mla_decode_stage1(
     pdl_wait(USE_PDL)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_hi = q_nope
+    if HALVES:
+        q_hi = tl.load(q_base + C // 2 + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_pe = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None], other=0.0)
 
     scale = qk_scale
@@ -187,26 +199,29 @@ def _mla_decode_stage1(
         amax = tl.maximum(
             tl.max(tl.abs(q_nope.to(tl.float32))), tl.max(tl.abs(q_pe.to(tl.float32)))
         )
+        amax = tl.maximum(amax, tl.max(tl.abs(q_hi.to(tl.float32))))
         q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
         q_nope = (q_nope.to(tl.float32) * q_mul).to(tl.float16)
+        q_hi = (q_hi.to(tl.float32) * q_mul).to(tl.float16)
         q_pe = (q_pe.to(tl.float32) * q_mul).to(tl.float16)
         scale = scale / q_mul
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, C // 2 if HALVES else C], dtype=tl.float32)
+    acc_hi = acc
     if PREFETCH:
-        next_kv, next_pe = _load_tile(
-            kv_ptr, next_slot, start + offs_t < end, offs_c, offs_r, stride_kv, C
+        next_kv, next_hi, next_pe = _load_tile(
+            kv_ptr, next_slot, start + offs_t < end, offs_c, offs_r, stride_kv, C, HALVES
         )
         next_slot = _tile_slots(table_row, start + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
         if PREFETCH:
-            kv, pe = next_kv, next_pe
-            next_kv, next_pe = _load_tile(
-                kv_ptr, next_slot, offs_n + BLOCK_N < end, offs_c, offs_r, stride_kv, C
+            kv, kv_hi, pe = next_kv, next_hi, next_pe
+            next_kv, next_hi, next_pe = _load_tile(
+                kv_ptr, next_slot, offs_n + BLOCK_N < end, offs_c, offs_r, stride_kv, C, HALVES
             )
             next_slot = _tile_slots(table_row, n + 2 * BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
         else:
@@ -220,21 +235,40 @@ def _mla_decode_stage1(
             else:
                 page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
                 slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-            kv, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C)
+            kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
         if IS_FP8:
             kv = _e4m3_to_f16(kv, USE_PTX)
             pe = _e4m3_to_f16(pe, USE_PTX)
-        qk = dot(q_nope, tl.trans(kv), UPCAST)
-        qk += dot(q_pe, tl.trans(pe), UPCAST)
-        qk = qk * scale
+            if HALVES:
+                kv_hi = _e4m3_to_f16(kv_hi, USE_PTX)
+        if HALVES:
+            # NOTE: each half is scaled before the two are added: Triton folds `dot + x` into
+            # one dot accumulating onto x, which would chain all 36 k-steps of a warp's MMAs
+            # again (the QK latency at 16 heads, where a warp owns one 16 x 8 score tile).
+            qk_lo = dot(q_nope, tl.trans(kv), UPCAST)
+            qk_hi = dot(q_hi, tl.trans(kv_hi), UPCAST)
+            qk_hi += dot(q_pe, tl.trans(pe), UPCAST)
+            qk = qk_lo * scale + qk_hi * scale
+        else:
+            qk = dot(q_nope, tl.trans(kv), UPCAST)
+            qk += dot(q_pe, tl.trans(pe), UPCAST)
+            qk = qk * scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, UPCAST)
+        if HALVES:
+            acc_hi = acc_hi * alpha[:, None] + dot(p.to(kv.dtype), kv_hi, UPCAST)
 
     store_split(
         mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, None,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
     )  # fmt: skip
+    if HALVES:
+        store_split(
+            mid_o_ptr, mid_lse_ptr, acc_hi, m_i, l_i, out_scale, b, split, offs_h, mask_h,
+            C // 2 + offs_c, None, stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            end > start,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -309,6 +343,9 @@ class MLADecodeConfig(NamedTuple):
     # KV tiles loaded into registers one tile ahead by the kernel (give num_stages=1: Triton's
     # own pipelining is then off), the slot ids two tiles ahead.
     prefetch: bool = False
+    # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
+    # instead of one of 36 steps (576 / 16) per score tile.
+    halves: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -430,6 +467,7 @@ def _launch(
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         PREFETCH=cfg.prefetch,
+        HALVES=cfg.halves,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,
