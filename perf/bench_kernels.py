@@ -258,29 +258,22 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
 
 M = MLADecodeConfig
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
-# prefetch, halves).
+# halves).
 TUNE = {
     # The engine's layout (page size 1). Run AE (perf/RESULTS.md) swept slot ids ahead or with
     # their tile at 64-, 32- and 16-token tiles and 2-4 stages: ids ahead with 32-token tiles
     # won for bf16 at batch 16 and above, the 64-token tile for FP8; ids with their tile never
-    # won. Kept here: those winners, beside the kernel's own register prefetch (one stage) and the
-    # latent as two dots (halves).
+    # won. Run AF added the latent as two dots (halves, now the default: faster at every point)
+    # and a register prefetch of the next tile (one stage; 1.3-5.8x slower, removed).
     (16, "ours_bf16_p1"): [
         M(16, 64, 4, 3),
         M(16, 32, 4, 3),
         M(16, 32, 4, 3, halves=True),
         M(16, 64, 4, 3, halves=True),
-        M(16, 32, 4, 1, prefetch=True),
-        M(16, 32, 4, 1, prefetch=True, halves=True),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 3, halves=True),
-        M(16, 64, 4, 1, prefetch=True),
-        M(16, 64, 4, 1, prefetch=True, halves=True),
-        M(16, 32, 4, 1, prefetch=True),
-        M(16, 32, 4, 1, prefetch=True, halves=True),
-        M(16, 64, 8, 1, prefetch=True),
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
@@ -296,8 +289,7 @@ TUNE = {
         M(16, 64, 4, 3),
         M(16, 64, 4, 2),
         M(16, 64, 8, 3),
-        M(16, 64, 4, 1, prefetch=True),
-        M(16, 64, 4, 1, prefetch=True, halves=True),
+        M(16, 64, 4, 3, halves=True),
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
@@ -313,7 +305,7 @@ TUNE = {
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.prefetch), int(cfg.halves))
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves))
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:

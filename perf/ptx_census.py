@@ -33,31 +33,26 @@ _STRIDES = (
     "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh",
 )  # fmt: skip
 
-# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, prefetch, halves); 16
-# heads use one 16-head group, 128 heads the 64-head group of default_config. "ahead" as the
-# kernel's default (`resolve_slots_ahead`) unless the name says otherwise; "prefetch": the KV
-# tiles loaded into registers one tile ahead by the kernel (`MLADecodeConfig.prefetch`, one
-# stage); "halves": the latent as two dots (`MLADecodeConfig.halves`).
-VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool]] = {
-    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, False),
-    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, False),
-    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, False),
-    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, False),
-    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, False),
-    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, False),
-    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, False),
-    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, False),
-    "h16 p1 fp8 prefetch": (1, True, 1, 16, 64, 4, 1, True, False),
-    "h16 p1 fp8 prefetch n32": (1, True, 1, 16, 32, 4, 1, True, False),
-    "h16 p1 bf16 prefetch n32": (1, False, 1, 16, 32, 4, 1, True, False),
-    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, False, True),
-    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, False, True),
-    "h16 p1 fp8 prefetch halves": (1, True, 1, 16, 64, 4, 1, True, True),
-    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, False),
-    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, False),
+# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves); 16 heads use one
+# 16-head group, 128 heads the 64-head group of default_config. "ahead" as the kernel's default
+# (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent as two dots
+# (`MLADecodeConfig.halves`, the 16-head default since run AF).
+VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool]] = {
+    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False),
+    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False),
+    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False),
+    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False),
+    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False),
+    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False),
+    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False),
+    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False),
+    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False),
+    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False),
+    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False),
+    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True),
+    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True),
+    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False),
+    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False),
 }
 
 PATTERNS = {
@@ -76,7 +71,7 @@ PATTERNS = {
 
 
 def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
-                   stages: int, prefetch: bool = False, halves: bool = False) -> Any:  # fmt: skip
+                   stages: int, halves: bool = False) -> Any:  # fmt: skip
     """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
@@ -87,7 +82,7 @@ def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int,
     consts: dict[str, Any] = dict(
         C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
-        PREFETCH=prefetch, HALVES=halves, USE_PDL=False,
+        HALVES=halves, USE_PDL=False,
     )  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     names = list(sig)

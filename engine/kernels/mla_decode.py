@@ -149,7 +149,6 @@ def _mla_decode_stage1(
     USE_PTX: tl.constexpr,  # fp8: convert with inline PTX (sm_89+), else with `.to`
     UPCAST: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
-    PREFETCH: tl.constexpr,  # KV tiles loaded into registers one tile ahead (num_stages 1)
     HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
     USE_PDL: tl.constexpr = False,
 ):
@@ -174,10 +173,7 @@ def _mla_decode_stage1(
     # NOTE: with SLOTS_AHEAD the next tile's slot (page) ids are read one iteration ahead, so
     # the KV loads never wait on an index load issued in the same iteration; without it they
     # are read with their tile and Triton's pipeliner places them (`resolve_slots_ahead`).
-    # PREFETCH goes one further: the kernel itself loads tile i + 1 into registers before it
-    # works on tile i (ids two tiles ahead), instead of Triton's asynchronous copies through
-    # shared memory, which an FP8 tile would pass through twice (bytes, then fp16).
-    if SLOTS_AHEAD or PREFETCH:
+    if SLOTS_AHEAD:
         next_slot = _tile_slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     else:
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -210,32 +206,20 @@ def _mla_decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, C // 2 if HALVES else C], dtype=tl.float32)
     acc_hi = acc
-    if PREFETCH:
-        next_kv, next_hi, next_pe = _load_tile(
-            kv_ptr, next_slot, start + offs_t < end, offs_c, offs_r, stride_kv, C, HALVES
-        )
-        next_slot = _tile_slots(table_row, start + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
-        if PREFETCH:
-            kv, kv_hi, pe = next_kv, next_hi, next_pe
-            next_kv, next_hi, next_pe = _load_tile(
-                kv_ptr, next_slot, offs_n + BLOCK_N < end, offs_c, offs_r, stride_kv, C, HALVES
-            )
-            next_slot = _tile_slots(table_row, n + 2 * BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+        if SLOTS_AHEAD:
+            slot = next_slot.to(tl.int64)
+            next_slot = _tile_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+        elif PAGE_SIZE == 1:
+            slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        elif SLOT_TABLE:
+            slot = tl.load(table_row + n).to(tl.int64) + offs_t
         else:
-            if SLOTS_AHEAD:
-                slot = next_slot.to(tl.int64)
-                next_slot = _tile_slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
-            elif PAGE_SIZE == 1:
-                slot = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            elif SLOT_TABLE:
-                slot = tl.load(table_row + n).to(tl.int64) + offs_t
-            else:
-                page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
-                slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-            kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
+            page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+        kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
         if IS_FP8:
             kv = _e4m3_to_f16(kv, USE_PTX)
             pe = _e4m3_to_f16(pe, USE_PTX)
@@ -340,18 +324,15 @@ class MLADecodeConfig(NamedTuple):
     # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
     # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
     slots_ahead: int | None = None
-    # KV tiles loaded into registers one tile ahead by the kernel (give num_stages=1: Triton's
-    # own pipelining is then off), the slot ids two tiles ahead.
-    prefetch: bool = False
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.
     halves: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
-    """`cfg.slots_ahead`, or the kernel's choice before it was an option: ahead except for
-    bf16 pages (FP8 tiles go through registers for their conversion; bf16 pages were faster
-    without). Page size 1 with its ids read with the tile has not been timed yet (issue 16)."""
+    """`cfg.slots_ahead`, or the default: ahead except for bf16 pages (FP8 tiles go through
+    registers for their conversion; bf16 pages were faster without). At page size 1 the ids
+    read with their tile were 1.3-1.5x slower on an H200 (run AE)."""
     if cfg.slots_ahead is not None:
         return bool(cfg.slots_ahead)
     return page_size == 1 or is_fp8
@@ -360,16 +341,18 @@ def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> b
 def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecodeConfig:
     """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
     if is_interpreter():
-        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, halves=True)
     if num_heads <= 16:
+        # NOTE: at 16 heads the latent goes as two halves (two MMA chains a warp): 1.03-1.10x
+        # bf16 at page size 1, 1.02-1.16x FP8, 1.01-1.11x paged bf16 (run AF).
         if is_fp8:
-            return MLADecodeConfig(16, 64, 4, 3, waves=1.0, min_split_tokens=128)
+            return MLADecodeConfig(16, 64, 4, 3, waves=1.0, min_split_tokens=128, halves=True)
         if page_size == 1:
             # NOTE: 32-token tiles with the ids read ahead fit two programs an SM (91 KB of
             # shared memory against 164 KB at 64 tokens): 1.01-1.16x at batch 16 and above,
             # 0.97-1.01x at batch 1 (run AE).
-            return MLADecodeConfig(16, 32, 4, 3, waves=2.0, min_split_tokens=128)
-        return MLADecodeConfig(16, 64, 4, 3, waves=2.0, min_split_tokens=128)
+            return MLADecodeConfig(16, 32, 4, 3, waves=2.0, min_split_tokens=128, halves=True)
+        return MLADecodeConfig(16, 64, 4, 3, waves=2.0, min_split_tokens=128, halves=True)
     if is_fp8:
         return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
     return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
@@ -466,7 +449,6 @@ def _launch(
         USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
-        PREFETCH=cfg.prefetch,
         HALVES=cfg.halves,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

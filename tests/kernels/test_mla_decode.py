@@ -115,9 +115,8 @@ def test_mla_decode_fp8(seq_lens: list[int], splits: int, device: torch.device) 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
     """Page size 1 with the slot ids loaded one tile ahead (the default), with their tile
-    (`slots_ahead=0`), with the KV tiles themselves prefetched into registers (`prefetch`),
-    and the latent as two halves (`halves`): the same output, mixed lengths, several tiles a
-    split."""
+    (`slots_ahead=0`), and the latent as two halves (`halves`): the same output, mixed
+    lengths, several tiles a split."""
     q, kv, req_to_token, rows, lens = _pool_inputs(
         [3, 50, 97], 16, torch.float32, seed=9, device=device
     )
@@ -130,9 +129,7 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
     forms = [
         base._replace(slots_ahead=1),
         base._replace(slots_ahead=0),
-        base._replace(num_stages=1, prefetch=True),
         base._replace(halves=True),
-        base._replace(num_stages=1, prefetch=True, halves=True),
     ]
     outs = [
         mla_decode(
@@ -222,24 +219,23 @@ def test_choose_num_kv_splits() -> None:
 
 
 @pytest.mark.parametrize(
-    "page,fp8,ahead,prefetch,halves",
+    "page,fp8,ahead,halves",
     [
-        (16, False, None, False, False),
-        (32, False, None, False, False),
-        (16, True, None, False, False),
-        (16, False, 1, False, False),
-        (16, True, 0, False, False),
-        (16, True, None, True, False),
-        (32, False, None, True, True),
-        (16, True, None, False, True),
+        (16, False, None, False),
+        (32, False, None, False),
+        (16, True, None, False),
+        (16, False, 1, False),
+        (16, True, 0, False),
+        (32, False, None, True),
+        (16, True, None, True),
     ],
 )
 def test_mla_decode_paged_slots(
-    page: int, fp8: bool, ahead: int | None, prefetch: bool, halves: bool, device: torch.device
+    page: int, fp8: bool, ahead: int | None, halves: bool, device: torch.device
 ) -> None:
     """The engine's paged layout: req_to_token holds every slot, each page's slots consecutive.
     Page ids read with their tile or one tile ahead (`slots_ahead`; None: the default), the
-    tiles prefetched into registers (`prefetch`), the latent as two halves (`halves`)."""
+    latent whole or as two halves (`halves`)."""
     g = torch.Generator().manual_seed(page)
     seq_lens, heads = [1, page, 3 * page + 5, 2 * page - 1], 16
     num_pages = sum(-(-n // page) for n in seq_lens) + 3
@@ -267,8 +263,7 @@ def test_mla_decode_paged_slots(
     out = mla_decode(
         q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks, num_kv_splits=3, page_size=page,
         config=_small_config(device)._replace(
-            slots_ahead=ahead, prefetch=prefetch, num_stages=1 if prefetch else 2, halves=halves
-        ),
+slots_ahead=ahead, halves=halves),
     )  # fmt: skip
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
     assert _rel_err(out, ref) < 2e-2
