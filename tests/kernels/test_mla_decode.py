@@ -125,6 +125,8 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
     if fp8:
         k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
         kv = quantize_fp8(kv, k_scale)
+    else:
+        kv = kv.to(torch.bfloat16)  # compiled dots take one dtype (the interpreter upcasts)
     base = _small_config(device)
     forms = [
         base._replace(slots_ahead=1),
