@@ -270,10 +270,14 @@ TUNE = {
         M(16, 32, 4, 3),
         M(16, 32, 4, 3, halves=True),
         M(16, 64, 4, 3, halves=True),
+        M(16, 32, 4, 3, latent_parts=4),
+        M(16, 64, 4, 2, latent_parts=4),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 3, halves=True),
+        M(16, 32, 4, 3, latent_parts=4),
+        M(16, 64, 4, 2, latent_parts=4),
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
@@ -305,7 +309,7 @@ TUNE = {
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves))
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves), cfg.latent_parts)
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:

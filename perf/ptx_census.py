@@ -71,7 +71,7 @@ PATTERNS = {
 
 
 def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
-                   stages: int, halves: bool = False) -> Any:  # fmt: skip
+                   stages: int, halves: bool = False, parts: int = 1) -> Any:  # fmt: skip
     """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
@@ -82,7 +82,7 @@ def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int,
     consts: dict[str, Any] = dict(
         C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
-        HALVES=halves, USE_PDL=False,
+        HALVES=halves, PARTS=parts, USE_PDL=False,
     )  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     names = list(sig)

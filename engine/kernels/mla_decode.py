@@ -150,6 +150,7 @@ def _mla_decode_stage1(
     UPCAST: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
     HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
+    PARTS: tl.constexpr,  # > 1: the latent as [PARTS, C / PARTS] slices, 3-D dots (one a warp)
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -181,6 +182,17 @@ def _mla_decode_stage1(
     q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_hi = q_nope
+    if PARTS > 1:
+        # NOTE: experiment (issue 16). With 3-D dots Triton gives each warp one slice of the
+        # latent ([PARTS, 1, 1] warps): a warp's QK is then 4 independent chains of 576 /
+        # PARTS / 16 steps, and the slices' scores are summed across warps.
+        offs_p = tl.arange(0, PARTS)
+        offs_cp = tl.arange(0, C // PARTS)
+        q_nope = tl.load(
+            q_base + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
+            mask=mask_h[None, :, None],
+            other=0.0,
+        )  # [PARTS, BLOCK_H, C / PARTS]
     if HALVES:
         q_hi = tl.load(q_base + C // 2 + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_pe = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None], other=0.0)
@@ -206,6 +218,8 @@ def _mla_decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, C // 2 if HALVES else C], dtype=tl.float32)
     acc_hi = acc
+    if PARTS > 1:
+        acc = tl.zeros([PARTS, BLOCK_H, C // PARTS], dtype=tl.float32)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
@@ -219,13 +233,30 @@ def _mla_decode_stage1(
         else:
             page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
             slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
+        if PARTS > 1:
+            kv_rows = kv_ptr + slot[None, :, None] * stride_kv
+            kv = tl.load(
+                kv_rows + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
+                mask=mask_n[None, :, None],
+                other=0.0,
+            )  # [PARTS, BLOCK_N, C / PARTS]
+            pe = tl.load(
+                kv_ptr + slot[:, None] * stride_kv + C + offs_r[None, :],
+                mask=mask_n[:, None],
+                other=0.0,
+            )
+            kv_hi = kv
+        else:
+            kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
         if IS_FP8:
             kv = _e4m3_to_f16(kv, USE_PTX)
             pe = _e4m3_to_f16(pe, USE_PTX)
             if HALVES:
                 kv_hi = _e4m3_to_f16(kv_hi, USE_PTX)
-        if HALVES:
+        if PARTS > 1:
+            qk = tl.sum(dot(q_nope, tl.permute(kv, (0, 2, 1)), UPCAST), 0) * scale
+            qk += dot(q_pe, tl.trans(pe), UPCAST) * scale
+        elif HALVES:
             # NOTE: each half is scaled before the two are added: Triton folds `dot + x` into
             # one dot accumulating onto x, which would chain all 36 k-steps of a warp's MMAs
             # again (the QK latency at 16 heads, where a warp owns one 16 x 8 score tile).
@@ -239,10 +270,16 @@ def _mla_decode_stage1(
             qk = qk * scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
-        acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, UPCAST)
+        if PARTS > 1:
+            p3 = tl.broadcast_to(p.to(kv.dtype)[None, :, :], (PARTS, BLOCK_H, BLOCK_N))
+            acc = acc * alpha[None, :, None] + dot(p3, kv, UPCAST)
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, UPCAST)
         if HALVES:
             acc_hi = acc_hi * alpha[:, None] + dot(p.to(kv.dtype), kv_hi, UPCAST)
 
+    if PARTS > 1:
+        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_H, C))
     store_split(
         mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, None,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
@@ -327,6 +364,8 @@ class MLADecodeConfig(NamedTuple):
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.
     halves: bool = False
+    # Experiment: the latent as this many slices through 3-D dots (one slice a warp; 1: off).
+    latent_parts: int = 1
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -450,6 +489,7 @@ def _launch(
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         HALVES=cfg.halves,
+        PARTS=cfg.latent_parts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,

@@ -132,6 +132,7 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
         base._replace(slots_ahead=1),
         base._replace(slots_ahead=0),
         base._replace(halves=True),
+        base._replace(latent_parts=4),
     ]
     outs = [
         mla_decode(
