@@ -33,26 +33,28 @@ _STRIDES = (
     "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh",
 )  # fmt: skip
 
-# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves); 16 heads use one
-# 16-head group, 128 heads the 64-head group of default_config. "ahead" as the kernel's default
-# (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent as two dots
-# (`MLADecodeConfig.halves`, the 16-head default since run AF).
-VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool]] = {
-    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False),
-    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False),
-    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False),
-    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False),
-    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False),
-    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False),
-    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False),
-    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False),
-    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False),
-    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False),
-    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False),
-    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True),
-    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True),
-    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False),
-    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False),
+# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves, parts); 16 heads
+# use one 16-head group, 128 heads the 64-head group of default_config. "ahead" as the kernel's
+# default (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent as two
+# dots (`MLADecodeConfig.halves`, the 16-head default since run AF); "parts": the latent as
+# slices through 3-D dots (`MLADecodeConfig.latent_parts`).
+VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, int]] = {
+    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, 1),
+    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, 1),
+    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, 1),
+    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, 1),
+    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, 1),
+    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, 1),
+    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, 1),
+    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, 1),
+    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, 1),
+    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, 1),
+    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, 1),
+    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True, 1),
+    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True, 1),
+    "h16 p1 bf16 n32 parts4": (1, False, 1, 16, 32, 4, 3, False, 4),
+    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, 1),
+    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, 1),
 }
 
 PATTERNS = {

@@ -180,12 +180,11 @@ def _mla_decode_stage1(
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
     pdl_wait(USE_PDL)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
-    q_hi = q_nope
     if PARTS > 1:
-        # NOTE: experiment (issue 16). With 3-D dots Triton gives each warp one slice of the
-        # latent ([PARTS, 1, 1] warps): a warp's QK is then 4 independent chains of 576 /
-        # PARTS / 16 steps, and the slices' scores are summed across warps.
+        # NOTE: experiment (issue 16, not yet timed). With 3-D dots Triton gives each warp one
+        # slice of the latent (warps [PARTS, 1, 1]): with 4 slices and 32-token tiles a warp's
+        # QK is 4 independent chains of 8 steps (one per 8-token block) instead of halves'
+        # 16 and 20, and the slices' scores are summed across warps.
         offs_p = tl.arange(0, PARTS)
         offs_cp = tl.arange(0, C // PARTS)
         q_nope = tl.load(
@@ -193,6 +192,9 @@ def _mla_decode_stage1(
             mask=mask_h[None, :, None],
             other=0.0,
         )  # [PARTS, BLOCK_H, C / PARTS]
+    else:
+        q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_hi = q_nope
     if HALVES:
         q_hi = tl.load(q_base + C // 2 + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_pe = tl.load(q_base + C + offs_r[None, :], mask=mask_h[:, None], other=0.0)
