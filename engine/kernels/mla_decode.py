@@ -78,13 +78,24 @@ def _tile_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: 
 
 @triton.jit
 def _load_tile(
-    kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr
-):
+    kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr,
+    PARTS: tl.constexpr,
+):  # fmt: skip
     """The latent and RoPE [BLOCK_N, R] parts of the rows at `slot`: the latent whole
-    [BLOCK_N, C], or with HALVES its two halves [BLOCK_N, C / 2] (offs_c spans one half; without
-    HALVES the second one returned is the first again)."""
+    [BLOCK_N, C], with HALVES its two halves [BLOCK_N, C / 2] (offs_c spans one half; without
+    HALVES the second one returned is the first again), with PARTS > 1 as slices
+    [PARTS, BLOCK_N, C / PARTS]."""
     kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-    kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+    if PARTS > 1:
+        offs_p = tl.arange(0, PARTS)
+        offs_cp = tl.arange(0, C // PARTS)
+        kv = tl.load(
+            kv_rows[None, :, :] + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
+            mask=mask_n[None, :, None],
+            other=0.0,
+        )
+    else:
+        kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
     if HALVES:
         kv_hi = tl.load(kv_rows + C // 2 + offs_c[None, :], mask=mask_n[:, None], other=0.0)
     else:
@@ -235,21 +246,9 @@ def _mla_decode_stage1(
         else:
             page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
             slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        if PARTS > 1:
-            kv_rows = kv_ptr + slot[None, :, None] * stride_kv
-            kv = tl.load(
-                kv_rows + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
-                mask=mask_n[None, :, None],
-                other=0.0,
-            )  # [PARTS, BLOCK_N, C / PARTS]
-            pe = tl.load(
-                kv_ptr + slot[:, None] * stride_kv + C + offs_r[None, :],
-                mask=mask_n[:, None],
-                other=0.0,
-            )
-            kv_hi = kv
-        else:
-            kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
+        kv, kv_hi, pe = _load_tile(
+            kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES, PARTS
+        )
         if IS_FP8:
             kv = _e4m3_to_f16(kv, USE_PTX)
             pe = _e4m3_to_f16(pe, USE_PTX)
@@ -426,6 +425,8 @@ def _launch(
     if is_fp8:
         assert k_scale is not None, "an fp8 cache needs its k_scale"
     cfg = config or default_config(num_heads, is_fp8, page_size)
+    assert cfg.latent_parts == 1 or not cfg.halves, "halves and latent_parts are two forms"
+    assert c % cfg.latent_parts == 0 and cfg.latent_parts & (cfg.latent_parts - 1) == 0
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
     if num_kv_splits is None:
