@@ -77,6 +77,19 @@ def _tile_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: 
 
 
 @triton.jit
+def _load_slices(rows, mask, C: tl.constexpr, PARTS: tl.constexpr):
+    """Latent rows cut into slices: rows [X, 1] (row pointers), mask [X] ->
+    [PARTS, X, C / PARTS]."""
+    offs_p = tl.arange(0, PARTS)
+    offs_cp = tl.arange(0, C // PARTS)
+    return tl.load(
+        rows[None, :, :] + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
+        mask=mask[None, :, None],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _load_tile(
     kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr,
     PARTS: tl.constexpr,
@@ -87,13 +100,7 @@ def _load_tile(
     [PARTS, BLOCK_N, C / PARTS]."""
     kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
     if PARTS > 1:
-        offs_p = tl.arange(0, PARTS)
-        offs_cp = tl.arange(0, C // PARTS)
-        kv = tl.load(
-            kv_rows[None, :, :] + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
-            mask=mask_n[None, :, None],
-            other=0.0,
-        )
+        kv = _load_slices(kv_rows, mask_n, C, PARTS)
     else:
         kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
     if HALVES:
@@ -196,13 +203,7 @@ def _mla_decode_stage1(
         # slice of the latent (warps [PARTS, 1, 1]): with 4 slices and 32-token tiles a warp's
         # QK is 4 independent chains of 8 steps (one per 8-token block) instead of halves'
         # 16 and 20, and the slices' scores are summed across warps.
-        offs_p = tl.arange(0, PARTS)
-        offs_cp = tl.arange(0, C // PARTS)
-        q_nope = tl.load(
-            q_base + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
-            mask=mask_h[None, :, None],
-            other=0.0,
-        )  # [PARTS, BLOCK_H, C / PARTS]
+        q_nope = _load_slices(q_base, mask_h, C, PARTS)  # [PARTS, BLOCK_H, C / PARTS]
     else:
         q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_hi = q_nope
@@ -220,10 +221,12 @@ def _mla_decode_stage1(
         amax = tl.maximum(
             tl.max(tl.abs(q_nope.to(tl.float32))), tl.max(tl.abs(q_pe.to(tl.float32)))
         )
-        amax = tl.maximum(amax, tl.max(tl.abs(q_hi.to(tl.float32))))
+        if HALVES:
+            amax = tl.maximum(amax, tl.max(tl.abs(q_hi.to(tl.float32))))
         q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
         q_nope = (q_nope.to(tl.float32) * q_mul).to(tl.float16)
-        q_hi = (q_hi.to(tl.float32) * q_mul).to(tl.float16)
+        if HALVES:
+            q_hi = (q_hi.to(tl.float32) * q_mul).to(tl.float16)
         q_pe = (q_pe.to(tl.float32) * q_mul).to(tl.float16)
         scale = scale / q_mul
 

@@ -265,8 +265,7 @@ def test_mla_decode_paged_slots(
         q = q.to(torch.bfloat16)
     out = mla_decode(
         q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks, num_kv_splits=3, page_size=page,
-        config=_small_config(device)._replace(
-slots_ahead=ahead, halves=halves),
+        config=_small_config(device)._replace(slots_ahead=ahead, halves=halves),
     )  # fmt: skip
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, 0.1, k_scale=ks)
     assert _rel_err(out, ref) < 2e-2
