@@ -258,42 +258,38 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
 
 M = MLADecodeConfig
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
-# halves).
+# halves, fp8_dots).
 TUNE = {
     # The engine's layout (page size 1). Run AE (perf/RESULTS.md) swept slot ids ahead or with
     # their tile at 64-, 32- and 16-token tiles and 2-4 stages: ids ahead with 32-token tiles
     # won for bf16 at batch 16 and above, the 64-token tile for FP8; ids with their tile never
     # won. Run AF added the latent as two dots (halves, now the default: faster at every point)
-    # and a register prefetch of the next tile (one stage; 1.3-5.8x slower, removed).
+    # and a register prefetch of the next tile (one stage; 1.3-5.8x slower, removed). Run AH
+    # timed the latent as 4 slices through 3-D dots (1.3-3x slower, removed) and QK as an e4m3
+    # dot (fp8_dots, the FP8 default since).
     (16, "ours_bf16_p1"): [
-        M(16, 64, 4, 3),
-        M(16, 32, 4, 3),
-        M(16, 32, 4, 3, halves=True),
-        M(16, 64, 4, 3, halves=True),
-        M(16, 32, 4, 3, latent_parts=4),
-        M(16, 64, 4, 2, latent_parts=4),
+        M(16, 32, 4, 3, 2.0, 128, halves=True),
+        M(16, 64, 4, 3, 2.0, 128, halves=True),
     ],
     (16, "ours_fp8_p1"): [
-        M(16, 64, 4, 3),
-        M(16, 64, 4, 3, halves=True),
-        M(16, 32, 4, 3, latent_parts=4),
-        M(16, 64, 4, 2, latent_parts=4),
+        M(16, 64, 4, 3, 1.0, 128, halves=True),
+        M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
+        M(16, 64, 4, 3, 1.0, 128, halves=True, fp8_dots=True),
+        M(16, 128, 8, 2, 1.0, 128, fp8_dots=True),
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
         M(16, 64, 4, 2),
-        M(16, 64, 4, 4),
         M(16, 32, 4, 4),
-        M(16, 64, 8, 3),
         M(16, 32, 4, 3, slots_ahead=1),  # page ids ahead: double-buffered, 91 KB
         M(16, 64, 4, 3, halves=True),
         M(16, 32, 4, 3, slots_ahead=1, halves=True),
     ],
     (16, "ours_fp8"): [
-        M(16, 64, 4, 3),
-        M(16, 64, 4, 2),
-        M(16, 64, 8, 3),
-        M(16, 64, 4, 3, halves=True),
+        M(16, 64, 4, 3, 1.0, 128, halves=True),
+        M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
@@ -303,13 +299,14 @@ TUNE = {
     ],
     (128, "ours_fp8"): [
         M(64, 64, 8, 2),
-        M(64, 64, 8, 1),
+        M(64, 64, 8, 2, fp8_dots=True),
+        M(64, 64, 8, 1, fp8_dots=True),
     ],
 }
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves), cfg.latent_parts)
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves), int(cfg.fp8_dots))
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:
@@ -367,6 +364,7 @@ def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
                                     "cfg": list(cfg),
                                     "splits": splits,
                                     "t": t,
+                                    "err": errs.get(_cfg_key(cfg)),
                                 }
                             )
                     results.sort(key=lambda x: x[0])

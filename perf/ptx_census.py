@@ -33,28 +33,31 @@ _STRIDES = (
     "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh",
 )  # fmt: skip
 
-# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves, parts); 16 heads
-# use one 16-head group, 128 heads the 64-head group of default_config. "ahead" as the kernel's
-# default (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent as two
-# dots (`MLADecodeConfig.halves`, the 16-head default since run AF); "parts": the latent as
-# slices through 3-D dots (`MLADecodeConfig.latent_parts`).
-VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, int]] = {
-    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, 1),
-    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, 1),
-    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, 1),
-    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, 1),
-    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, 1),
-    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, 1),
-    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, 1),
-    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, 1),
-    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, 1),
-    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, 1),
-    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, 1),
-    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True, 1),
-    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True, 1),
-    "h16 p1 bf16 n32 parts4": (1, False, 1, 16, 32, 4, 3, False, 4),
-    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, 1),
-    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, 1),
+# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves, fp8 dots); 16
+# heads use one 16-head group, 128 heads the 64-head group of default_config. "ahead" as the
+# kernel's default (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent
+# as two dots (`MLADecodeConfig.halves`, the 16-head default since run AF); "dots": QK as an
+# e4m3 dot (`MLADecodeConfig.fp8_dots`, the FP8 default since run AH).
+VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool]] = {
+    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, False),
+    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, False),
+    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, False),
+    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, False),
+    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, False),
+    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, False),
+    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, False),
+    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, False),
+    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, False),
+    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, False),
+    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, False),
+    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True, False),
+    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True, False),
+    "h16 p1 fp8 dots": (1, True, 1, 16, 64, 4, 3, False, True),
+    "h16 p1 fp8 halves dots 2 stages": (1, True, 1, 16, 64, 4, 2, True, True),
+    "h16 paged fp8 dots": (64, True, 1, 16, 64, 4, 3, False, True),
+    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, False),
+    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, False),
+    "h128 paged fp8 dots 1 stage": (64, True, 1, 64, 64, 8, 1, False, True),
 }
 
 PATTERNS = {
@@ -68,12 +71,15 @@ PATTERNS = {
     "ld.global scalar": r"ld\.global\.b32",
     "ld.global vector": r"ld\.global[.\w]*\.v\d",
     "ldmatrix": r"ldmatrix",
+    "st.shared.b8": r"st\.shared\.b8",
+    "ld.shared.b8": r"ld\.shared\.b8",
+    "cvt e4m3": r"cvt\.rn\.f16x2\.e4m3x2",
     "bar.sync": r"bar\.sync",
 }
 
 
 def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
-                   stages: int, halves: bool = False, parts: int = 1) -> Any:  # fmt: skip
+                   stages: int, halves: bool = False, fp8_dots: bool = False) -> Any:  # fmt: skip
     """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
@@ -84,7 +90,7 @@ def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int,
     consts: dict[str, Any] = dict(
         C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
-        HALVES=halves, PARTS=parts, USE_PDL=False,
+        HALVES=halves, FP8_DOTS=fp8_dots, USE_PDL=False,
     )  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     names = list(sig)

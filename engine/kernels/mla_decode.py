@@ -77,32 +77,14 @@ def _tile_slots(table_row, n, offs_t, end, PAGE_SIZE: tl.constexpr, SLOT_TABLE: 
 
 
 @triton.jit
-def _load_slices(rows, mask, C: tl.constexpr, PARTS: tl.constexpr):
-    """Latent rows cut into slices: rows [X, 1] (row pointers), mask [X] ->
-    [PARTS, X, C / PARTS]."""
-    offs_p = tl.arange(0, PARTS)
-    offs_cp = tl.arange(0, C // PARTS)
-    return tl.load(
-        rows[None, :, :] + offs_p[:, None, None] * (C // PARTS) + offs_cp[None, None, :],
-        mask=mask[None, :, None],
-        other=0.0,
-    )
-
-
-@triton.jit
 def _load_tile(
-    kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr,
-    PARTS: tl.constexpr,
+    kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C: tl.constexpr, HALVES: tl.constexpr
 ):  # fmt: skip
     """The latent and RoPE [BLOCK_N, R] parts of the rows at `slot`: the latent whole
-    [BLOCK_N, C], with HALVES its two halves [BLOCK_N, C / 2] (offs_c spans one half; without
-    HALVES the second one returned is the first again), with PARTS > 1 as slices
-    [PARTS, BLOCK_N, C / PARTS]."""
+    [BLOCK_N, C], or with HALVES its two halves [BLOCK_N, C / 2] (offs_c spans one half;
+    without HALVES the second one returned is the first again)."""
     kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-    if PARTS > 1:
-        kv = _load_slices(kv_rows, mask_n, C, PARTS)
-    else:
-        kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+    kv = tl.load(kv_rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)
     if HALVES:
         kv_hi = tl.load(kv_rows + C // 2 + offs_c[None, :], mask=mask_n[:, None], other=0.0)
     else:
@@ -168,7 +150,7 @@ def _mla_decode_stage1(
     UPCAST: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
     HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
-    PARTS: tl.constexpr,  # > 1: the latent as [PARTS, C / PARTS] slices, 3-D dots (one a warp)
+    FP8_DOTS: tl.constexpr,  # fp8: q in e4m3, QK as an e4m3 dot with the tile's tokens as M
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -198,14 +180,7 @@ def _mla_decode_stage1(
         next_slot = tl.zeros([BLOCK_N], dtype=tl.int32)
     pdl_wait(USE_PDL)
     q_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    if PARTS > 1:
-        # NOTE: experiment (issue 16, not yet timed). With 3-D dots Triton gives each warp one
-        # slice of the latent (warps [PARTS, 1, 1]): with 4 slices and 32-token tiles a warp's
-        # QK is 4 independent chains of 8 steps (one per 8-token block) instead of halves'
-        # 16 and 20, and the slices' scores are summed across warps.
-        q_nope = _load_slices(q_base, mask_h, C, PARTS)  # [PARTS, BLOCK_H, C / PARTS]
-    else:
-        q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    q_nope = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     q_hi = q_nope
     if HALVES:
         q_hi = tl.load(q_base + C // 2 + offs_c[None, :], mask=mask_h[:, None], other=0.0)
@@ -217,25 +192,29 @@ def _mla_decode_stage1(
         k_scale = tl.load(k_scale_ptr)
         scale = scale * k_scale
         out_scale = k_scale
-        # The dots run in fp16: q is scaled down by a power of two where it would overflow.
         amax = tl.maximum(
             tl.max(tl.abs(q_nope.to(tl.float32))), tl.max(tl.abs(q_pe.to(tl.float32)))
         )
         if HALVES:
             amax = tl.maximum(amax, tl.max(tl.abs(q_hi.to(tl.float32))))
-        q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
-        q_nope = (q_nope.to(tl.float32) * q_mul).to(tl.float16)
-        if HALVES:
-            q_hi = (q_hi.to(tl.float32) * q_mul).to(tl.float16)
-        q_pe = (q_pe.to(tl.float32) * q_mul).to(tl.float16)
+        if FP8_DOTS:
+            # q in e4m3 with one scale for this token's heads of the group, which folds into
+            # the softmax scale with k_scale.
+            q_mul = 448.0 / tl.maximum(amax, 1e-30)
+            q_dtype = tl.float8e4nv
+        else:
+            # The dots run in fp16: q is scaled down by a power of two where it would overflow.
+            q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
+            q_dtype = tl.float16
+        q_nope = (q_nope.to(tl.float32) * q_mul).to(q_dtype)
+        q_hi = (q_hi.to(tl.float32) * q_mul).to(q_dtype)
+        q_pe = (q_pe.to(tl.float32) * q_mul).to(q_dtype)
         scale = scale / q_mul
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, C // 2 if HALVES else C], dtype=tl.float32)
     acc_hi = acc
-    if PARTS > 1:
-        acc = tl.zeros([PARTS, BLOCK_H, C // PARTS], dtype=tl.float32)
     for n in range(start, end, BLOCK_N):
         offs_n = n + offs_t
         mask_n = offs_n < end
@@ -249,41 +228,57 @@ def _mla_decode_stage1(
         else:
             page = tl.load(table_row + n // PAGE_SIZE).to(tl.int64)
             slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv, kv_hi, pe = _load_tile(
-            kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES, PARTS
-        )
-        if IS_FP8:
-            kv = _e4m3_to_f16(kv, USE_PTX)
-            pe = _e4m3_to_f16(pe, USE_PTX)
+        kv, kv_hi, pe = _load_tile(kv_ptr, slot, mask_n, offs_c, offs_r, stride_kv, C, HALVES)
+        if FP8_DOTS:
+            # NOTE: the scores come transposed, [BLOCK_N, BLOCK_H]: with the tile's tokens as
+            # M (64) QK is a Hopper wgmma on e4m3 operands read straight from the tile's
+            # shared-memory copy; with heads as M (16) it would be an mma.sync, which Triton
+            # runs in fp16 after converting both operands. PV stays an fp16 mma.sync with heads
+            # as M: an e4m3 PV needs V transposed byte by byte in shared memory (3.5-8x slower
+            # on an H200), and a wgmma with the latent as M was slower than this (run AH).
+            qk_t = dot(kv, tl.trans(q_nope), UPCAST)
             if HALVES:
-                kv_hi = _e4m3_to_f16(kv_hi, USE_PTX)
-        if PARTS > 1:
-            qk = tl.sum(dot(q_nope, tl.permute(kv, (0, 2, 1)), UPCAST), 0) * scale
-            qk += dot(q_pe, tl.trans(pe), UPCAST) * scale
-        elif HALVES:
-            # NOTE: each half is scaled before the two are added: Triton folds `dot + x` into
-            # one dot accumulating onto x, which would chain all 36 k-steps of a warp's MMAs
-            # again (the QK latency at 16 heads, where a warp owns one 16 x 8 score tile).
-            qk_lo = dot(q_nope, tl.trans(kv), UPCAST)
-            qk_hi = dot(q_hi, tl.trans(kv_hi), UPCAST)
-            qk_hi += dot(q_pe, tl.trans(pe), UPCAST)
-            qk = qk_lo * scale + qk_hi * scale
+                qk_t += dot(kv_hi, tl.trans(q_hi), UPCAST)
+            qk_t += dot(pe, tl.trans(q_pe), UPCAST)
+            qk_t = tl.where(mask_n[:, None], qk_t * scale, float("-inf"))
+            # The softmax step along the tile's tokens (axis 0); only p is transposed for PV.
+            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(qk_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            m_i = m_new
+            p = tl.trans(p_t).to(tl.float16)
+            # NOTE: each half converted right before its dot: the two fp16 copies then share
+            # shared memory (83 KB a program with 2 stages, two programs an SM; 115 KB if both
+            # halves are converted first).
+            acc = acc * alpha[:, None] + dot(p, _e4m3_to_f16(kv, USE_PTX), UPCAST)
+            if HALVES:
+                acc_hi = acc_hi * alpha[:, None] + dot(p, _e4m3_to_f16(kv_hi, USE_PTX), UPCAST)
         else:
-            qk = dot(q_nope, tl.trans(kv), UPCAST)
-            qk += dot(q_pe, tl.trans(pe), UPCAST)
-            qk = qk * scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
-        if PARTS > 1:
-            p3 = tl.broadcast_to(p.to(kv.dtype)[None, :, :], (PARTS, BLOCK_H, BLOCK_N))
-            acc = acc * alpha[None, :, None] + dot(p3, kv, UPCAST)
-        else:
+            if IS_FP8:
+                kv = _e4m3_to_f16(kv, USE_PTX)
+                pe = _e4m3_to_f16(pe, USE_PTX)
+                if HALVES:
+                    kv_hi = _e4m3_to_f16(kv_hi, USE_PTX)
+            if HALVES:
+                # NOTE: each half is scaled before the two are added: Triton folds `dot + x`
+                # into one dot accumulating onto x, which would chain all 36 k-steps of a
+                # warp's MMAs again (the QK latency at 16 heads, where a warp owns one 16 x 8
+                # score tile).
+                qk_lo = dot(q_nope, tl.trans(kv), UPCAST)
+                qk_hi = dot(q_hi, tl.trans(kv_hi), UPCAST)
+                qk_hi += dot(q_pe, tl.trans(pe), UPCAST)
+                qk = qk_lo * scale + qk_hi * scale
+            else:
+                qk = dot(q_nope, tl.trans(kv), UPCAST)
+                qk += dot(q_pe, tl.trans(pe), UPCAST)
+                qk = qk * scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
             acc = acc * alpha[:, None] + dot(p.to(kv.dtype), kv, UPCAST)
-        if HALVES:
-            acc_hi = acc_hi * alpha[:, None] + dot(p.to(kv.dtype), kv_hi, UPCAST)
+            if HALVES:
+                acc_hi = acc_hi * alpha[:, None] + dot(p.to(kv.dtype), kv_hi, UPCAST)
 
-    if PARTS > 1:
-        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), (BLOCK_H, C))
     store_split(
         mid_o_ptr, mid_lse_ptr, acc, m_i, l_i, out_scale, b, split, offs_h, mask_h, offs_c, None,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, end > start,
@@ -368,8 +363,9 @@ class MLADecodeConfig(NamedTuple):
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.
     halves: bool = False
-    # Experiment: the latent as this many slices through 3-D dots (one slice a warp; 1: off).
-    latent_parts: int = 1
+    # fp8 caches: q quantized to e4m3 in the kernel and QK as an e4m3 tensor-core dot (sm_89+,
+    # a latent (half) and RoPE part of at least 32); PV stays fp16. Off: both dots in fp16.
+    fp8_dots: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -381,24 +377,38 @@ def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> b
     return page_size == 1 or is_fp8
 
 
+def fp8_dots_fit(device: torch.device, kv_lora_rank: int, rope_dim: int, halves: bool) -> bool:
+    """Whether QK can run as an e4m3 dot: a GPU with fp8 MMA (sm_89+; the CPU interpreter
+    emulates it) and reduction dims of at least 32 (the latent, its halves, the RoPE part)."""
+    latent = kv_lora_rank // 2 if halves else kv_lora_rank
+    gpu_ok = is_interpreter() or has_fp8_cvt(device)
+    return gpu_ok and min(latent, rope_dim) >= 32
+
+
 def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecodeConfig:
     """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
     if is_interpreter():
-        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, halves=True)
+        return MLADecodeConfig(16, 16, 4, 1, halves=True, fp8_dots=is_fp8)
     if num_heads <= 16:
-        # NOTE: at 16 heads the latent goes as two halves (two MMA chains a warp): 1.03-1.10x
-        # bf16 at page size 1, 1.02-1.16x FP8, 1.01-1.11x paged bf16 (run AF).
         if is_fp8:
-            return MLADecodeConfig(16, 64, 4, 3, waves=1.0, min_split_tokens=128, halves=True)
+            # NOTE: QK as an e4m3 wgmma (64-token tiles). At page size 1 with the halves and 2
+            # stages a program takes 83 KB, two an SM: 1.04-1.26x the fp16 dots at batch 16
+            # and above (run AH). Paged, the whole latent with 3 stages was as fast or faster.
+            if page_size == 1:
+                return MLADecodeConfig(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True)
+            return MLADecodeConfig(16, 64, 4, 3, 1.0, 128, fp8_dots=True)
+        # NOTE: at 16 heads the latent goes as two halves (two MMA chains a warp): 1.03-1.10x
+        # bf16 at page size 1, 1.01-1.11x paged bf16 (run AF).
         if page_size == 1:
             # NOTE: 32-token tiles with the ids read ahead fit two programs an SM (91 KB of
             # shared memory against 164 KB at 64 tokens): 1.01-1.16x at batch 16 and above,
             # 0.97-1.01x at batch 1 (run AE).
-            return MLADecodeConfig(16, 32, 4, 3, waves=2.0, min_split_tokens=128, halves=True)
-        return MLADecodeConfig(16, 64, 4, 3, waves=2.0, min_split_tokens=128, halves=True)
+            return MLADecodeConfig(16, 32, 4, 3, 2.0, 128, halves=True)
+        return MLADecodeConfig(16, 64, 4, 3, 2.0, 128, halves=True)
     if is_fp8:
-        return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
-    return MLADecodeConfig(64, 64, 8, 2, waves=1.0, min_split_tokens=128)
+        # NOTE: QK as an e4m3 wgmma, one stage: 1.02-1.19x the fp16 dots (run AH).
+        return MLADecodeConfig(64, 64, 8, 1, 1.0, 128, fp8_dots=True)
+    return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
 def _launch(
@@ -428,8 +438,11 @@ def _launch(
     if is_fp8:
         assert k_scale is not None, "an fp8 cache needs its k_scale"
     cfg = config or default_config(num_heads, is_fp8, page_size)
-    assert cfg.latent_parts == 1 or not cfg.halves, "halves and latent_parts are two forms"
-    assert c % cfg.latent_parts == 0 and cfg.latent_parts & (cfg.latent_parts - 1) == 0
+    if is_fp8 and cfg.fp8_dots and not fp8_dots_fit(q.device, c, r, cfg.halves):
+        # NOTE: e4m3 dots need sm_89+ and a reduction dim of at least 32; a default config
+        # falls back to fp16 dots, one asked for explicitly is refused.
+        assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
+        cfg = cfg._replace(fp8_dots=False)
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
     if num_kv_splits is None:
@@ -495,7 +508,7 @@ def _launch(
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         HALVES=cfg.halves,
-        PARTS=cfg.latent_parts,
+        FP8_DOTS=is_fp8 and cfg.fp8_dots,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,

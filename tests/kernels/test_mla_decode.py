@@ -26,13 +26,14 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _pool_inputs(
-    seq_lens: list[int], heads: int, dtype: torch.dtype, seed: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
+    seq_lens: list[int], heads: int, dtype: torch.dtype, seed: int, device: torch.device,
+    rope: int = R,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     batch = len(seq_lens)
     total = sum(seq_lens)
     num_slots = total + 7
-    kv = torch.randn(num_slots, 1, C + R, generator=g).to(dtype)
+    kv = torch.randn(num_slots, 1, C + rope, generator=g).to(dtype)
     kv[0] = 1e4  # slot 0 is the padding sink: reading it would show in the output
     max_reqs, max_ctx = batch + 3, max(seq_lens) + 5
     req_to_token = torch.zeros(max_reqs, max_ctx, dtype=torch.int32)
@@ -42,7 +43,7 @@ def _pool_inputs(
     for b, n in enumerate(seq_lens):
         req_to_token[rows[b], :n] = slots[off : off + n].int()
         off += n
-    q = torch.randn(batch, heads, C + R, generator=g).to(dtype)
+    q = torch.randn(batch, heads, C + rope, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return tuple(t.to(device) for t in (q, kv, req_to_token, rows.long(), lens))
 
@@ -132,7 +133,6 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
         base._replace(slots_ahead=1),
         base._replace(slots_ahead=0),
         base._replace(halves=True),
-        base._replace(latent_parts=4),
     ]
     outs = [
         mla_decode(
@@ -154,6 +154,60 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
     # The same tiles in the same order: the forms agree (bitwise under the interpreter).
     for out in outs[1:]:
         assert _rel_err(out, outs[0]) < 1e-3
+
+
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("seq_lens,heads", [([3, 50, 97], 16), ([1, 37], 20)])
+def test_mla_decode_fp8_dots(
+    halves: bool, seq_lens: list[int], heads: int, device: torch.device
+) -> None:
+    """QK as an e4m3 dot (q quantized in the kernel, scores transposed; the RoPE part 32 wide,
+    the least an e4m3 dot takes), the latent whole or as halves: close to the reference within
+    e4m3's rounding of q, and close to the fp16 dots."""
+    rope = 32
+    q, kv, req_to_token, rows, lens = _pool_inputs(
+        seq_lens, heads, torch.float32, seed=9, device=device, rope=rope
+    )
+    q, scale = q.to(torch.bfloat16), (C + rope) ** -0.5
+    k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
+    kv8 = quantize_fp8(kv, k_scale)
+    base = _small_config(device)._replace(block_n=64 if device.type == "cuda" else 16)
+    outs = [
+        mla_decode(
+            q,
+            kv8,
+            req_to_token,
+            rows,
+            lens,
+            C,
+            scale,
+            k_scale=k_scale,
+            num_kv_splits=3,
+            config=base._replace(halves=halves, fp8_dots=fp8_dots),
+        )  # fmt: skip
+        for fp8_dots in (True, False)
+    ]
+    ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale)
+    assert outs[0].dtype == torch.bfloat16
+    assert _rel_err(outs[1], ref) < 1e-2
+    # e4m3 keeps 3 mantissa bits of q: a few percent, as FlashMLA's FP8 (perf/RESULTS.md).
+    assert _rel_err(outs[0], ref) < 5e-2
+    assert _rel_err(outs[0], outs[1]) < 5e-2
+
+
+def test_mla_decode_fp8_dots_refused(device: torch.device) -> None:
+    """An explicit fp8_dots config with a RoPE part narrower than an e4m3 dot takes (16) is
+    refused with the reason; the default config falls back to fp16 dots."""
+    q, kv, req_to_token, rows, lens = _pool_inputs([20], 16, torch.float32, seed=2, device=device)
+    k_scale = torch.tensor([0.02], dtype=torch.float32, device=device)
+    kv8 = quantize_fp8(kv, k_scale)
+    q = q.to(torch.bfloat16)
+    cfg = _small_config(device)._replace(fp8_dots=True)
+    with pytest.raises(AssertionError, match="fp8_dots needs"):
+        mla_decode(q, kv8, req_to_token, rows, lens, C, 0.1, k_scale=k_scale, config=cfg)
+    out = mla_decode(q, kv8, req_to_token, rows, lens, C, 0.1, k_scale=k_scale)
+    ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, 0.1, k_scale=k_scale)
+    assert _rel_err(out, ref) < 2e-2
 
 
 def test_mla_decode_fp8_large_q(device: torch.device) -> None:
