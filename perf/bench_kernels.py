@@ -275,7 +275,7 @@ TUNE = {
         M(16, 64, 4, 3, 1.0, 128, halves=True),
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
-        M(16, 64, 4, 3, 1.0, 128, halves=True, fp8_dots=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True),
         M(16, 128, 8, 2, 1.0, 128, fp8_dots=True),
     ],
     (16, "ours_bf16"): [
@@ -289,6 +289,7 @@ TUNE = {
     (16, "ours_fp8"): [
         M(16, 64, 4, 3, 1.0, 128, halves=True),
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
+        M(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
     ],
     (128, "ours_bf16"): [
@@ -301,12 +302,14 @@ TUNE = {
         M(64, 64, 8, 2),
         M(64, 64, 8, 2, fp8_dots=True),
         M(64, 64, 8, 1, fp8_dots=True),
+        M(64, 64, 8, 1, fp8_dots=True, q_residual=True),
     ],
 }
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, int(cfg.halves), int(cfg.fp8_dots))
+    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual)
+    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, *(int(f) for f in flags))
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:

@@ -117,6 +117,18 @@ def _e4m3_to_f16(x, USE_PTX: tl.constexpr):
 
 
 @triton.jit
+def _scale_q(q, q_mul, q_dtype: tl.constexpr, RESIDUAL: tl.constexpr):
+    """q * q_mul in q_dtype and, with RESIDUAL, its rounding error times 16 in q_dtype too
+    (e4m3 keeps 3 mantissa bits; the two terms together about 7)."""
+    x = q.to(tl.float32) * q_mul
+    y = x.to(q_dtype)
+    r = y
+    if RESIDUAL:
+        r = ((x - y.to(tl.float32)) * 16.0).to(q_dtype)
+    return y, r
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,  # [B, H, C + R]
     kv_ptr,  # [num_slots, C + R] (row stride given)
@@ -151,6 +163,7 @@ def _mla_decode_stage1(
     SLOTS_AHEAD: tl.constexpr,  # slot (page) ids one tile ahead, or with their tile
     HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
     FP8_DOTS: tl.constexpr,  # fp8: q in e4m3, QK as an e4m3 dot with the tile's tokens as M
+    Q_RESIDUAL: tl.constexpr,  # FP8_DOTS: q's e4m3 rounding error as a second e4m3 term
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -206,9 +219,9 @@ def _mla_decode_stage1(
             # The dots run in fp16: q is scaled down by a power of two where it would overflow.
             q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
             q_dtype = tl.float16
-        q_nope = (q_nope.to(tl.float32) * q_mul).to(q_dtype)
-        q_hi = (q_hi.to(tl.float32) * q_mul).to(q_dtype)
-        q_pe = (q_pe.to(tl.float32) * q_mul).to(q_dtype)
+        q_nope, r_nope = _scale_q(q_nope, q_mul, q_dtype, Q_RESIDUAL)
+        q_hi, r_hi = _scale_q(q_hi, q_mul, q_dtype, Q_RESIDUAL)
+        q_pe, r_pe = _scale_q(q_pe, q_mul, q_dtype, Q_RESIDUAL)
         scale = scale / q_mul
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -240,6 +253,12 @@ def _mla_decode_stage1(
             if HALVES:
                 qk_t += dot(kv_hi, tl.trans(q_hi), UPCAST)
             qk_t += dot(pe, tl.trans(q_pe), UPCAST)
+            if Q_RESIDUAL:
+                qk_r = dot(kv, tl.trans(r_nope), UPCAST)
+                if HALVES:
+                    qk_r += dot(kv_hi, tl.trans(r_hi), UPCAST)
+                qk_r += dot(pe, tl.trans(r_pe), UPCAST)
+                qk_t = qk_t + qk_r * (1.0 / 16.0)
             qk_t = tl.where(mask_n[:, None], qk_t * scale, float("-inf"))
             # The softmax step along the tile's tokens (axis 0); only p is transposed for PV.
             m_new = tl.maximum(m_i, tl.max(qk_t, 0))
@@ -366,6 +385,8 @@ class MLADecodeConfig(NamedTuple):
     # fp8 caches: q quantized to e4m3 in the kernel and QK as an e4m3 tensor-core dot (sm_89+,
     # a latent (half) and RoPE part of at least 32); PV stays fp16. Off: both dots in fp16.
     fp8_dots: bool = False
+    # Experiment: with fp8_dots, q's e4m3 rounding error as a second e4m3 dot.
+    q_residual: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -388,15 +409,17 @@ def fp8_dots_fit(device: torch.device, kv_lora_rank: int, rope_dim: int, halves:
 def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecodeConfig:
     """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
     if is_interpreter():
-        return MLADecodeConfig(16, 16, 4, 1, halves=True, fp8_dots=is_fp8)
+        return MLADecodeConfig(16, 16, 4, 1, halves=True, fp8_dots=is_fp8, q_residual=is_fp8)
     if num_heads <= 16:
         if is_fp8:
             # NOTE: QK as an e4m3 wgmma (64-token tiles). At page size 1 with the halves and 2
             # stages a program takes 83 KB, two an SM: 1.04-1.26x the fp16 dots at batch 16
             # and above (run AH). Paged, the whole latent with 3 stages was as fast or faster.
             if page_size == 1:
-                return MLADecodeConfig(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True)
-            return MLADecodeConfig(16, 64, 4, 3, 1.0, 128, fp8_dots=True)
+                return MLADecodeConfig(
+                    16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True
+                )
+            return MLADecodeConfig(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True)
         # NOTE: at 16 heads the latent goes as two halves (two MMA chains a warp): 1.03-1.10x
         # bf16 at page size 1, 1.01-1.11x paged bf16 (run AF).
         if page_size == 1:
@@ -407,7 +430,7 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
         return MLADecodeConfig(16, 64, 4, 3, 2.0, 128, halves=True)
     if is_fp8:
         # NOTE: QK as an e4m3 wgmma, one stage: 1.02-1.19x the fp16 dots (run AH).
-        return MLADecodeConfig(64, 64, 8, 1, 1.0, 128, fp8_dots=True)
+        return MLADecodeConfig(64, 64, 8, 1, 1.0, 128, fp8_dots=True, q_residual=True)
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
@@ -509,6 +532,7 @@ def _launch(
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         HALVES=cfg.halves,
         FP8_DOTS=is_fp8 and cfg.fp8_dots,
+        Q_RESIDUAL=cfg.q_residual,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,
