@@ -33,31 +33,33 @@ _STRIDES = (
     "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh",
 )  # fmt: skip
 
-# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves, fp8 dots); 16
-# heads use one 16-head group, 128 heads the 64-head group of default_config. "ahead" as the
-# kernel's default (`resolve_slots_ahead`) unless the name says otherwise; "halves": the latent
-# as two dots (`MLADecodeConfig.halves`, the 16-head default since run AF); "dots": QK as an
-# e4m3 dot (`MLADecodeConfig.fp8_dots`, the FP8 default since run AH).
-VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool]] = {
-    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, False),
-    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, False),
-    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, False),
-    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, False),
-    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, False),
-    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, False),
-    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, False),
-    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, False),
-    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, False),
-    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True, False),
-    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True, False),
-    "h16 p1 fp8 dots": (1, True, 1, 16, 64, 4, 3, False, True),
-    "h16 p1 fp8 halves dots 2 stages": (1, True, 1, 16, 64, 4, 2, True, True),
-    "h16 paged fp8 dots": (64, True, 1, 16, 64, 4, 3, False, True),
-    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, False),
-    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, False),
-    "h128 paged fp8 dots 1 stage": (64, True, 1, 64, 64, 8, 1, False, True),
+# name: (page size, fp8, slots ahead, block_h, block_n, warps, stages, halves, fp8 dots,
+# q residual); 16 heads use one 16-head group, 128 heads the 64-head group of default_config.
+# "ahead" as the kernel's default (`resolve_slots_ahead`) unless the name says otherwise;
+# "halves": the latent as two dots (`MLADecodeConfig.halves`, the 16-head default since run AF);
+# "dots": QK as an e4m3 dot (`MLADecodeConfig.fp8_dots`) with q as two e4m3 terms
+# (`q_residual`), the 16-head FP8 default since run AH; "one term": without the second.
+VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool, bool]] = {
+    "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, False, False),
+    "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, False, False),
+    "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, False, False),
+    "h16 paged bf16 ahead n32": (64, False, 1, 16, 32, 4, 3, False, False, False),
+    "h16 p1 bf16": (1, False, 1, 16, 64, 4, 3, False, False, False),
+    "h16 p1 bf16 inline": (1, False, 0, 16, 64, 4, 3, False, False, False),
+    "h16 p1 bf16 n32": (1, False, 1, 16, 32, 4, 3, False, False, False),
+    "h16 p1 bf16 inline n32": (1, False, 0, 16, 32, 4, 3, False, False, False),
+    "h16 paged fp8": (64, True, 1, 16, 64, 4, 3, False, False, False),
+    "h16 p1 fp8": (1, True, 1, 16, 64, 4, 3, False, False, False),
+    "h16 p1 fp8 inline": (1, True, 0, 16, 64, 4, 3, False, False, False),
+    "h16 p1 bf16 n32 halves": (1, False, 1, 16, 32, 4, 3, True, False, False),
+    "h16 p1 fp8 halves": (1, True, 1, 16, 64, 4, 3, True, False, False),
+    "h16 p1 fp8 dots": (1, True, 1, 16, 64, 4, 3, False, True, True),
+    "h16 p1 fp8 halves dots 2 stages": (1, True, 1, 16, 64, 4, 2, True, True, True),
+    "h16 p1 fp8 halves dots 2 stages one term": (1, True, 1, 16, 64, 4, 2, True, True, False),
+    "h16 paged fp8 dots": (64, True, 1, 16, 64, 4, 3, False, True, True),
+    "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, False, False),
+    "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, False, False),
+    "h128 paged fp8 dots 1 stage one term": (64, True, 1, 64, 64, 8, 1, False, True, False),
 }
 
 PATTERNS = {
@@ -79,7 +81,8 @@ PATTERNS = {
 
 
 def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
-                   stages: int, halves: bool = False, fp8_dots: bool = False) -> Any:  # fmt: skip
+                   stages: int, halves: bool = False, fp8_dots: bool = False,
+                   q_residual: bool = False) -> Any:  # fmt: skip
     """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
@@ -90,7 +93,7 @@ def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int,
     consts: dict[str, Any] = dict(
         C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
-        HALVES=halves, FP8_DOTS=fp8_dots, Q_RESIDUAL=False, USE_PDL=False,
+        HALVES=halves, FP8_DOTS=fp8_dots, Q_RESIDUAL=q_residual, USE_PDL=False,
     )  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     names = list(sig)

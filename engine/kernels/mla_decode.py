@@ -9,9 +9,11 @@ and context so that small batches still fill the GPU. With `value_proj` (MLA's W
 is projected per head too; at a few requests stage 2 does that in the same launch.
 
 Slots are read through a table: `req_to_token` (page size 1, one slot id per position) or a
-FlashMLA-style `block_table` (page size 64, one page id per 64 positions). FP8 (e4m3) caches are
-dequantized to fp16 in registers right after the load: the per-layer scale folds into the
-softmax scale for QK and into the output for PV.
+FlashMLA-style `block_table` (page size 64, one page id per 64 positions). With FP8 (e4m3)
+caches QK can run as an e4m3 tensor-core dot (`MLADecodeConfig.fp8_dots`: q quantized in the
+kernel, the tile's tokens as M); V, and the whole tile without it, is converted to fp16 in
+registers right after the load. The per-layer scale folds into the softmax scale for QK and into
+the output for PV.
 """
 
 from __future__ import annotations
@@ -385,7 +387,9 @@ class MLADecodeConfig(NamedTuple):
     # fp8 caches: q quantized to e4m3 in the kernel and QK as an e4m3 tensor-core dot (sm_89+,
     # a latent (half) and RoPE part of at least 32); PV stays fp16. Off: both dots in fp16.
     fp8_dots: bool = False
-    # Experiment: with fp8_dots, q's e4m3 rounding error as a second e4m3 dot.
+    # With fp8_dots: q's e4m3 rounding error as a second e4m3 term (a second QK dot). One term
+    # alone doubled the output error against the fp16 dots (3-4e-2, FlashMLA FP8's level)
+    # and was about 10% faster at long contexts on an H200 (run AH).
     q_residual: bool = False
 
 
@@ -412,9 +416,9 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
         return MLADecodeConfig(16, 16, 4, 1, halves=True, fp8_dots=is_fp8, q_residual=is_fp8)
     if num_heads <= 16:
         if is_fp8:
-            # NOTE: QK as an e4m3 wgmma (64-token tiles). At page size 1 with the halves and 2
-            # stages a program takes 83 KB, two an SM: 1.04-1.26x the fp16 dots at batch 16
-            # and above (run AH). Paged, the whole latent with 3 stages was as fast or faster.
+            # NOTE: QK as e4m3 wgmmas (64-token tiles), q as two e4m3 terms: the error stays
+            # that of the fp8 cache alone. At page size 1 with the halves and 2 stages a
+            # program takes 92 KB, two an SM (run AH). Paged, the whole latent with 3 stages.
             if page_size == 1:
                 return MLADecodeConfig(
                     16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True
@@ -428,9 +432,8 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
             # 0.97-1.01x at batch 1 (run AE).
             return MLADecodeConfig(16, 32, 4, 3, 2.0, 128, halves=True)
         return MLADecodeConfig(16, 64, 4, 3, 2.0, 128, halves=True)
-    if is_fp8:
-        # NOTE: QK as an e4m3 wgmma, one stage: 1.02-1.19x the fp16 dots (run AH).
-        return MLADecodeConfig(64, 64, 8, 1, 1.0, 128, fp8_dots=True, q_residual=True)
+    # NOTE: at 128 heads QK as a single-term e4m3 dot was 1.02-1.19x faster (run AH) but the
+    # two-term q that keeps FP8's accuracy at the fp16 dots' was not timed there: fp16 dots.
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
