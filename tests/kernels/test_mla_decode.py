@@ -113,6 +113,28 @@ def test_mla_decode_fp8(seq_lens: list[int], splits: int, device: torch.device) 
     assert _rel_err(out, ref) < 2e-2
 
 
+def _decode_forms(
+    q: torch.Tensor, kv: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
+    lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None, forms: list[MLADecodeConfig],
+) -> list[torch.Tensor]:  # fmt: skip
+    """The decode output under each config of `forms`, 3 splits each."""
+    return [
+        mla_decode(
+            q,
+            kv,
+            req_to_token,
+            rows,
+            lens,
+            C,
+            scale,
+            k_scale=k_scale,
+            num_kv_splits=3,
+            config=cfg,
+        )  # fmt: skip
+        for cfg in forms
+    ]
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
     """Page size 1 with the slot ids loaded one tile ahead (the default), with their tile
@@ -134,21 +156,7 @@ def test_mla_decode_tile_loading_forms(fp8: bool, device: torch.device) -> None:
         base._replace(slots_ahead=0),
         base._replace(halves=True),
     ]
-    outs = [
-        mla_decode(
-            q,
-            kv,
-            req_to_token,
-            rows,
-            lens,
-            C,
-            scale,
-            k_scale=k_scale,
-            num_kv_splits=3,
-            config=cfg,
-        )  # fmt: skip
-        for cfg in forms
-    ]
+    outs = _decode_forms(q, kv, req_to_token, rows, lens, scale, k_scale, forms)
     ref = mla_decode_ref(q, kv, req_to_token, rows, lens, C, scale, k_scale=k_scale)
     assert _rel_err(outs[0], ref) < 2e-2
     # The same tiles in the same order: the forms agree (bitwise under the interpreter).
@@ -178,20 +186,8 @@ def test_mla_decode_fp8_dots(
         base._replace(halves=halves, fp8_dots=True),
         base._replace(halves=halves, fp8_dots=True, q_residual=True),
     ]
-    fp16_dots, one_term, two_terms = (
-        mla_decode(
-            q,
-            kv8,
-            req_to_token,
-            rows,
-            lens,
-            C,
-            scale,
-            k_scale=k_scale,
-            num_kv_splits=3,
-            config=cfg,
-        )  # fmt: skip
-        for cfg in forms
+    fp16_dots, one_term, two_terms = _decode_forms(
+        q, kv8, req_to_token, rows, lens, scale, k_scale, forms
     )
     ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale)
     assert one_term.dtype == torch.bfloat16
