@@ -276,6 +276,7 @@ TUNE = {
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True, q_pairs=True),
         M(16, 128, 8, 2, 1.0, 128, fp8_dots=True),
     ],
     (16, "ours_bf16"): [
@@ -291,6 +292,8 @@ TUNE = {
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True),
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True),
+        M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True, q_pairs=True),
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
@@ -303,12 +306,13 @@ TUNE = {
         M(64, 64, 8, 2, fp8_dots=True),
         M(64, 64, 8, 1, fp8_dots=True),
         M(64, 64, 8, 1, fp8_dots=True, q_residual=True),
+        M(64, 64, 8, 1, fp8_dots=True, q_residual=True, q_pairs=True),
     ],
 }
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual)
+    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs)
     return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

@@ -38,8 +38,9 @@ _STRIDES = (
 # "ahead" as the kernel's default (`resolve_slots_ahead`) unless the name says otherwise;
 # "halves": the latent as two dots (`MLADecodeConfig.halves`, the 16-head default since run AF);
 # "dots": QK as an e4m3 dot (`MLADecodeConfig.fp8_dots`) with q as two e4m3 terms
-# (`q_residual`), the 16-head FP8 default since run AH; "one term": without the second.
-VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool, bool]] = {
+# (`q_residual`), the 16-head FP8 default since run AH; "one term": without the second;
+# "pairs": the two terms through one dot (`q_pairs`, an eleventh field).
+VARIANTS: dict[str, tuple[Any, ...]] = {
     "h16 paged bf16": (64, False, 0, 16, 64, 4, 3, False, False, False),
     "h16 paged bf16 ahead": (64, False, 1, 16, 64, 4, 3, False, False, False),
     "h16 paged bf16 n32": (64, False, 0, 16, 32, 4, 3, False, False, False),
@@ -56,6 +57,7 @@ VARIANTS: dict[str, tuple[int, bool, int, int, int, int, int, bool, bool, bool]]
     "h16 p1 fp8 dots": (1, True, 1, 16, 64, 4, 3, False, True, True),
     "h16 p1 fp8 halves dots 2 stages": (1, True, 1, 16, 64, 4, 2, True, True, True),
     "h16 p1 fp8 halves dots 2 stages one term": (1, True, 1, 16, 64, 4, 2, True, True, False),
+    "h16 p1 fp8 halves dots 2 stages pairs": (1, True, 1, 16, 64, 4, 2, True, True, True, True),
     "h16 paged fp8 dots": (64, True, 1, 16, 64, 4, 3, False, True, True),
     "h128 paged bf16": (64, False, 0, 64, 64, 8, 2, False, False, False),
     "h128 paged fp8": (64, True, 1, 64, 64, 8, 2, False, False, False),
@@ -82,7 +84,7 @@ PATTERNS = {
 
 def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int, warps: int,
                    stages: int, halves: bool = False, fp8_dots: bool = False,
-                   q_residual: bool = False) -> Any:  # fmt: skip
+                   q_residual: bool = False, q_pairs: bool = False) -> Any:  # fmt: skip
     """The compiled kernel: its PTX in `.asm["ptx"]`, its shared memory in `.metadata.shared`."""
     sig: dict[str, str] = {
         "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
@@ -93,7 +95,8 @@ def compile_kernel(page: int, fp8: bool, ahead: int, block_h: int, block_n: int,
     consts: dict[str, Any] = dict(
         C=512, R=64, PAGE_SIZE=page, SLOT_TABLE=False, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_ROW_IDX=page == 1, IS_FP8=fp8, USE_PTX=fp8, UPCAST=False, SLOTS_AHEAD=ahead,
-        HALVES=halves, FP8_DOTS=fp8_dots, Q_RESIDUAL=q_residual, USE_PDL=False,
+        HALVES=halves, FP8_DOTS=fp8_dots, Q_RESIDUAL=q_residual, Q_PAIRS=q_pairs,
+        USE_PDL=False,
     )  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     names = list(sig)

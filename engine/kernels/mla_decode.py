@@ -131,6 +131,12 @@ def _scale_q(q, q_mul, q_dtype: tl.constexpr, RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(a, b):
+    """a, b [M, K] -> [2M, K] with rows a0, b0, a1, b1, ..."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
 def _mla_decode_stage1(
     q_ptr,  # [B, H, C + R]
     kv_ptr,  # [num_slots, C + R] (row stride given)
@@ -166,6 +172,7 @@ def _mla_decode_stage1(
     HALVES: tl.constexpr,  # the latent's two halves as separate dots (two MMA chains)
     FP8_DOTS: tl.constexpr,  # fp8: q in e4m3, QK as an e4m3 dot with the tile's tokens as M
     Q_RESIDUAL: tl.constexpr,  # FP8_DOTS: q's e4m3 rounding error as a second e4m3 term
+    Q_PAIRS: tl.constexpr,  # Q_RESIDUAL: both terms through one dot (rows paired)
     USE_PDL: tl.constexpr = False,
 ):
     """One (head group, split, request): online softmax over the split's KV tiles. Before the
@@ -251,16 +258,28 @@ def _mla_decode_stage1(
             # runs in fp16 after converting both operands. PV stays an fp16 mma.sync with heads
             # as M: an e4m3 PV needs V transposed byte by byte in shared memory (3.5-8x slower
             # on an H200), and a wgmma with the latent as M was slower than this (run AH).
-            qk_t = dot(kv, tl.trans(q_nope), UPCAST)
-            if HALVES:
-                qk_t += dot(kv_hi, tl.trans(q_hi), UPCAST)
-            qk_t += dot(pe, tl.trans(q_pe), UPCAST)
-            if Q_RESIDUAL:
-                qk_r = dot(kv, tl.trans(r_nope), UPCAST)
+            if Q_RESIDUAL and Q_PAIRS:
+                # NOTE: experiment (issue 16, not yet timed). The two q terms as the rows of
+                # one [2 * BLOCK_H, ...] operand (h0, r0, h1, r1, ...): one m64n32 wgmma chain
+                # instead of two m64n16 ones (18 wgmma a tile against 36, the waits of one term),
+                # and each thread's accumulator holds a head's two columns, so the split is free.
+                s2 = dot(kv, tl.trans(_pair_rows(q_nope, r_nope)), UPCAST)
                 if HALVES:
-                    qk_r += dot(kv_hi, tl.trans(r_hi), UPCAST)
-                qk_r += dot(pe, tl.trans(r_pe), UPCAST)
-                qk_t = qk_t + qk_r * (1.0 / 16.0)
+                    s2 += dot(kv_hi, tl.trans(_pair_rows(q_hi, r_hi)), UPCAST)
+                s2 += dot(pe, tl.trans(_pair_rows(q_pe, r_pe)), UPCAST)
+                main, res = tl.split(tl.reshape(s2, (BLOCK_N, BLOCK_H, 2)))
+                qk_t = main + res * (1.0 / 16.0)
+            else:
+                qk_t = dot(kv, tl.trans(q_nope), UPCAST)
+                if HALVES:
+                    qk_t += dot(kv_hi, tl.trans(q_hi), UPCAST)
+                qk_t += dot(pe, tl.trans(q_pe), UPCAST)
+                if Q_RESIDUAL:
+                    qk_r = dot(kv, tl.trans(r_nope), UPCAST)
+                    if HALVES:
+                        qk_r += dot(kv_hi, tl.trans(r_hi), UPCAST)
+                    qk_r += dot(pe, tl.trans(r_pe), UPCAST)
+                    qk_t = qk_t + qk_r * (1.0 / 16.0)
             qk_t = tl.where(mask_n[:, None], qk_t * scale, float("-inf"))
             # The softmax step along the tile's tokens (axis 0); only p is transposed for PV.
             m_new = tl.maximum(m_i, tl.max(qk_t, 0))
@@ -391,6 +410,8 @@ class MLADecodeConfig(NamedTuple):
     # alone doubled the output error against the fp16 dots (3-4e-2, FlashMLA FP8's level)
     # and was about 10% faster at long contexts on an H200 (run AH).
     q_residual: bool = False
+    # Experiment (untimed): with q_residual, the two terms as paired rows of one dot operand.
+    q_pairs: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -536,6 +557,7 @@ def _launch(
         HALVES=cfg.halves,
         FP8_DOTS=is_fp8 and cfg.fp8_dots,
         Q_RESIDUAL=cfg.q_residual,
+        Q_PAIRS=cfg.q_pairs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,

@@ -171,8 +171,8 @@ def test_mla_decode_fp8_dots(
 ) -> None:
     """QK as an e4m3 dot (q quantized in the kernel, scores transposed; the RoPE part 32 wide,
     the least an e4m3 dot takes), the latent whole or as halves, q as one e4m3 term or two
-    (`q_residual`): close to the reference within e4m3's rounding of q, and the second term
-    brings the output closer to the fp16 dots'."""
+    (`q_residual`, also through one dot: `q_pairs`): close to the reference within e4m3's
+    rounding of q, and the second term brings the output closer to the fp16 dots'."""
     rope = 32
     q, kv, req_to_token, rows, lens = _pool_inputs(
         seq_lens, heads, torch.float32, seed=9, device=device, rope=rope
@@ -185,8 +185,9 @@ def test_mla_decode_fp8_dots(
         base._replace(halves=halves),
         base._replace(halves=halves, fp8_dots=True),
         base._replace(halves=halves, fp8_dots=True, q_residual=True),
+        base._replace(halves=halves, fp8_dots=True, q_residual=True, q_pairs=True),
     ]
-    fp16_dots, one_term, two_terms = _decode_forms(
+    fp16_dots, one_term, two_terms, paired = _decode_forms(
         q, kv8, req_to_token, rows, lens, scale, k_scale, forms
     )
     ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale)
@@ -197,6 +198,8 @@ def test_mla_decode_fp8_dots(
     assert _rel_err(one_term, ref) < 8e-2
     assert _rel_err(two_terms, ref) < 0.7 * _rel_err(one_term, ref)
     assert _rel_err(two_terms, fp16_dots) < 3e-2
+    # The same sums with the two terms through one dot (`q_pairs`).
+    assert _rel_err(paired, two_terms) < 1e-3
 
 
 def test_mla_decode_fp8_dots_refused(device: torch.device) -> None:
