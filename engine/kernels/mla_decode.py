@@ -289,8 +289,8 @@ def _mla_decode_stage1(
             m_i = m_new
             p = tl.trans(p_t).to(tl.float16)
             # NOTE: each half converted right before its dot: the two fp16 copies then share
-            # shared memory (83 KB a program with 2 stages, two programs an SM; 115 KB if both
-            # halves are converted first).
+            # shared memory (2 stages: 83 KB a program with one q term, 92 KB with two, two
+            # programs an SM; 115 KB if both halves are converted first).
             acc = acc * alpha[:, None] + dot(p, _e4m3_to_f16(kv, USE_PTX), UPCAST)
             if HALVES:
                 acc_hi = acc_hi * alpha[:, None] + dot(p, _e4m3_to_f16(kv_hi, USE_PTX), UPCAST)
@@ -490,6 +490,7 @@ def _launch(
         # falls back to fp16 dots, one asked for explicitly is refused.
         assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
         cfg = cfg._replace(fp8_dots=False)
+    fp8_dots = is_fp8 and cfg.fp8_dots
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
     if num_kv_splits is None:
@@ -555,9 +556,9 @@ def _launch(
         UPCAST=INTERPRET_UPCAST,
         SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
         HALVES=cfg.halves,
-        FP8_DOTS=is_fp8 and cfg.fp8_dots,
-        Q_RESIDUAL=cfg.q_residual,
-        Q_PAIRS=cfg.q_pairs,
+        FP8_DOTS=fp8_dots,
+        Q_RESIDUAL=fp8_dots and cfg.q_residual,
+        Q_PAIRS=fp8_dots and cfg.q_residual and cfg.q_pairs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         pdl=True,
