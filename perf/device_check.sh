@@ -43,10 +43,11 @@ step pytest 560 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/tes
     tests/test_torch_compile.py tests/test_fp8_absorbed.py tests/test_prefill_warmup.py \
     -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
 step bench_kernels 150 python3 perf/bench_kernels.py --out "$OUT"
-# Issue 16: the page-size-1 kernels (the engine's layout) tuned, slot ids ahead or not, beside the
-# paged ones. Only when named (`bash perf/device_check.sh tune_p1`): not part of "every step".
+# Issue 16: the decode kernels' tile configs tuned (bench_kernels.py TUNE) at page size 1 (the
+# engine's layout) and paged, 16 and 128 heads, FP8 forms included (q_pairs not yet timed;
+# about 3 minutes in run AH). Only when named (`bash perf/device_check.sh tune_p1`).
 if [[ " $STEPS " == *" tune_p1 "* ]]; then
-    step tune_p1 420 python3 perf/bench_kernels.py --tune --heads 16 \
+    step tune_p1 420 python3 perf/bench_kernels.py --tune --heads 16 128 \
         --kinds ours_bf16_p1 ours_fp8_p1 ours_bf16 ours_fp8 --out "$OUT/tune_p1"
 fi
 if want offline_llama && [[ ! -d /tmp/rand-llama ]]; then
