@@ -282,11 +282,7 @@ def _mla_decode_stage1(
                     qk_t = qk_t + qk_r * (1.0 / 16.0)
             qk_t = tl.where(mask_n[:, None], qk_t * scale, float("-inf"))
             # The softmax step along the tile's tokens (axis 0); only p is transposed for PV.
-            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p_t = tl.exp2(qk_t - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p_t, 0)
-            m_i = m_new
+            p_t, alpha, m_i, l_i = online_softmax_step(qk_t, m_i, l_i, 0)
             p = tl.trans(p_t).to(tl.float16)
             # NOTE: each half converted right before its dot: the two fp16 copies then share
             # shared memory (2 stages: 83 KB a program with one q term, 92 KB with two, two

@@ -151,14 +151,18 @@ def contiguous_span(t: torch.Tensor) -> int:
 
 
 @triton.jit
-def online_softmax_step(qk, m_i, l_i):
+def online_softmax_step(qk, m_i, l_i, AXIS: tl.constexpr = 1):
     """One tile of the streaming softmax, in log2 units: scores qk [M, N] (-inf where masked)
     and the running max m_i and sum l_i [M] -> the tile's probabilities p, the factor alpha that
-    rescales what was accumulated so far, and the new running max and sum."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    rescales what was accumulated so far, and the new running max and sum. With AXIS 0 the
+    scores come transposed, [N, M], and so does p."""
+    m_new = tl.maximum(m_i, tl.max(qk, AXIS))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    if AXIS == 1:
+        p = tl.exp2(qk - m_new[:, None])
+    else:
+        p = tl.exp2(qk - m_new[None, :])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
 
 
 @triton.jit
