@@ -266,7 +266,8 @@ TUNE = {
     # won. Run AF added the latent as two dots (halves, now the default: faster at every point)
     # and a register prefetch of the next tile (one stage; 1.3-5.8x slower, removed). Run AH
     # timed the latent as 4 slices through 3-D dots (1.3-3.4x slower, removed) and QK as an e4m3
-    # dot (fp8_dots; with q as two e4m3 terms, q_residual, the 16-head FP8 default since).
+    # dot (fp8_dots; with q as two e4m3 terms, q_residual). Run AI timed the two terms through
+    # one dot (q_pairs), the 16-head FP8 default since, at page size 1 and paged.
     (16, "ours_bf16_p1"): [
         M(16, 32, 4, 3, 2.0, 128, halves=True),
         M(16, 64, 4, 3, 2.0, 128, halves=True),

@@ -44,8 +44,8 @@ step pytest 560 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/tes
     -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
 step bench_kernels 150 python3 perf/bench_kernels.py --out "$OUT"
 # Issue 16: the decode kernels' tile configs tuned (bench_kernels.py TUNE) at page size 1 (the
-# engine's layout) and paged, 16 and 128 heads, FP8 forms included (q_pairs not yet timed;
-# about 3 minutes in run AH). Only when named (`bash perf/device_check.sh tune_p1`).
+# engine's layout) and paged, 16 and 128 heads, FP8 forms included (about
+# 3 minutes in runs AH and AI). Only when named (`bash perf/device_check.sh tune_p1`).
 if [[ " $STEPS " == *" tune_p1 "* ]]; then
     step tune_p1 420 python3 perf/bench_kernels.py --tune --heads 16 128 \
         --kinds ours_bf16_p1 ours_fp8_p1 ours_bf16 ours_fp8 --out "$OUT/tune_p1"

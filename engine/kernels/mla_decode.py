@@ -131,9 +131,15 @@ def _scale_q(q, q_mul, q_dtype: tl.constexpr, RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _pair_rows(a, b):
-    """a, b [M, K] -> [2M, K] with rows a0, b0, a1, b1, ..."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * a.shape[0], a.shape[1]))
+def _paired_q(q_ptrs, mask, q_mul):
+    """q's two e4m3 terms (`_scale_q`) as the rows of one operand, from q's rows loaded twice
+    each: [2M, K] with rows y0, r0, y1, r1, ...
+
+    NOTE: built with a `where` on the row's parity; the same rows from `tl.join` + permute +
+    reshape are right under the interpreter but wrong on an H200 (Triton 3.6)."""
+    y, r = _scale_q(tl.load(q_ptrs, mask=mask, other=0.0), q_mul, tl.float8e4nv, True)
+    odd = tl.arange(0, y.shape[0]) % 2 == 1
+    return tl.where(odd[:, None], r, y)
 
 
 @triton.jit
@@ -232,6 +238,15 @@ def _mla_decode_stage1(
         q_hi, r_hi = _scale_q(q_hi, q_mul, q_dtype, Q_RESIDUAL)
         q_pe, r_pe = _scale_q(q_pe, q_mul, q_dtype, Q_RESIDUAL)
         scale = scale / q_mul
+        if Q_PAIRS:
+            offs_h2 = hg * BLOCK_H + tl.arange(0, 2 * BLOCK_H) // 2
+            q2_base = q_ptr + b.to(tl.int64) * stride_qb + offs_h2[:, None] * stride_qh
+            mask_h2 = (offs_h2 < num_heads)[:, None]
+            pq_nope = _paired_q(q2_base + offs_c[None, :], mask_h2, q_mul)
+            pq_hi = pq_nope
+            if HALVES:
+                pq_hi = _paired_q(q2_base + C // 2 + offs_c[None, :], mask_h2, q_mul)
+            pq_pe = _paired_q(q2_base + C + offs_r[None, :], mask_h2, q_mul)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -259,14 +274,14 @@ def _mla_decode_stage1(
             # as M: an e4m3 PV needs V transposed byte by byte in shared memory (3.5-8x slower
             # on an H200), and a wgmma with the latent as M was slower than this (run AH).
             if Q_RESIDUAL and Q_PAIRS:
-                # NOTE: experiment (issue 16, not yet timed). The two q terms as the rows of
-                # one [2 * BLOCK_H, ...] operand (h0, r0, h1, r1, ...): one m64n32 wgmma chain
-                # instead of two m64n16 ones (18 wgmma a tile against 36, the waits of one term),
-                # and each thread's accumulator holds a head's two columns, so the split is free.
-                s2 = dot(kv, tl.trans(_pair_rows(q_nope, r_nope)), UPCAST)
+                # NOTE: the two q terms as the rows of one [2 * BLOCK_H, ...] operand (h0, r0,
+                # h1, r1, ...): one m64n32 wgmma chain instead of two m64n16 ones (18 wgmma a
+                # tile against 36, the waits of one term), and each thread's accumulator holds
+                # a head's two columns, so the split is free (run AI: 0.94-1.18x two dots).
+                s2 = dot(kv, tl.trans(pq_nope), UPCAST)
                 if HALVES:
-                    s2 += dot(kv_hi, tl.trans(_pair_rows(q_hi, r_hi)), UPCAST)
-                s2 += dot(pe, tl.trans(_pair_rows(q_pe, r_pe)), UPCAST)
+                    s2 += dot(kv_hi, tl.trans(pq_hi), UPCAST)
+                s2 += dot(pe, tl.trans(pq_pe), UPCAST)
                 main, res = tl.split(tl.reshape(s2, (BLOCK_N, BLOCK_H, 2)))
                 qk_t = main + res * (1.0 / 16.0)
             else:
@@ -406,7 +421,9 @@ class MLADecodeConfig(NamedTuple):
     # alone doubled the output error against the fp16 dots (3-4e-2, FlashMLA FP8's level)
     # and was about 10% faster at long contexts on an H200 (run AH).
     q_residual: bool = False
-    # Experiment (untimed): with q_residual, the two terms as paired rows of one dot operand.
+    # With q_residual: the two terms as the paired rows of one dot operand (h0, r0, h1, ...),
+    # one wgmma chain of twice the width instead of two: 1.02-1.18x the two dots at batch 16
+    # and above on an H200, 0.94-0.97x at batch 1 (run AI).
     q_pairs: bool = False
 
 
@@ -430,17 +447,15 @@ def fp8_dots_fit(device: torch.device, kv_lora_rank: int, rope_dim: int, halves:
 def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecodeConfig:
     """Tile shape per problem, from sweeps on an H200 (perf/bench_kernels.py --tune)."""
     if is_interpreter():
-        return MLADecodeConfig(16, 16, 4, 1, halves=True, fp8_dots=is_fp8, q_residual=is_fp8)
+        fp8 = {"fp8_dots": is_fp8, "q_residual": is_fp8, "q_pairs": is_fp8}
+        return MLADecodeConfig(16, 16, 4, 1, halves=True, **fp8)
     if num_heads <= 16:
         if is_fp8:
-            # NOTE: QK as e4m3 wgmmas (64-token tiles), q as two e4m3 terms: the error stays
-            # that of the fp8 cache alone. At page size 1 with the halves and 2 stages a
-            # program takes 92 KB, two an SM (run AH). Paged, the whole latent with 3 stages.
-            if page_size == 1:
-                return MLADecodeConfig(
-                    16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True
-                )
-            return MLADecodeConfig(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True)
+            # NOTE: QK as e4m3 wgmmas (64-token tiles), q as two e4m3 terms through one dot:
+            # the error stays that of the fp8 cache alone. With the halves and 2 stages a
+            # program takes 92 KB, two an SM (run AH); the same shape won paged (run AI).
+            fp8 = {"halves": True, "fp8_dots": True, "q_residual": True, "q_pairs": True}
+            return MLADecodeConfig(16, 64, 4, 2, 2.0, 128, **fp8)
         # NOTE: at 16 heads the latent goes as two halves (two MMA chains a warp): 1.03-1.10x
         # bf16 at page size 1, 1.01-1.11x paged bf16 (run AF).
         if page_size == 1:
@@ -449,8 +464,9 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
             # 0.97-1.01x at batch 1 (run AE).
             return MLADecodeConfig(16, 32, 4, 3, 2.0, 128, halves=True)
         return MLADecodeConfig(16, 64, 4, 3, 2.0, 128, halves=True)
-    # NOTE: at 128 heads QK as a single-term e4m3 dot was 1.02-1.19x faster (run AH) but the
-    # two-term q that keeps FP8's accuracy at the fp16 dots' was not timed there: fp16 dots.
+    # NOTE: at 128 heads QK as one e4m3 term was 1.02-1.19x faster than the fp16 dots (run
+    # AH), but two terms, which keep FP8's accuracy at the fp16 dots', were 1.4-1.9x slower
+    # as two dots and 1.16-1.33x slower through one (run AI): fp16 dots.
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
