@@ -269,7 +269,9 @@ TUNE = {
     # and a register prefetch of the next tile (one stage; 1.3-5.8x slower, removed). Run AH
     # timed the latent as 4 slices through 3-D dots (1.3-3.4x slower, removed) and QK as an e4m3
     # dot (fp8_dots; with q as two e4m3 terms, q_residual). Run AI timed the two terms through
-    # one dot (q_pairs), the 16-head FP8 default since, at page size 1 and paged.
+    # one dot (q_pairs), the 16-head FP8 default since, at page size 1 and paged, and 8 warps
+    # with the paired q (64-token tiles 1.04-1.57x slower; 128-token tiles 7-10% faster at
+    # batch 1, 1.04-1.20x slower at batch >= 16: dropped).
     (16, "ours_bf16_p1"): [
         M(16, 32, 4, 3, 2.0, 128, halves=True),
         M(16, 64, 4, 3, 2.0, 128, halves=True),
@@ -279,10 +281,6 @@ TUNE = {
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, **PAIRS),
         M(16, 128, 8, 2, 1.0, 128, fp8_dots=True),
-        # Eight warps: each converts half as much of V (100 cvt a thread against 200), the QK
-        # wgmma split over two warp groups; and 128-token tiles (166 KB, one program an SM).
-        M(16, 64, 8, 2, 2.0, 128, halves=True, **PAIRS),
-        M(16, 128, 8, 2, 1.0, 128, halves=True, **PAIRS),
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
@@ -297,7 +295,6 @@ TUNE = {
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, **PAIRS),
-        M(16, 64, 8, 2, 2.0, 128, halves=True, **PAIRS),
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
