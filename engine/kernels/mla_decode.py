@@ -277,7 +277,7 @@ def _mla_decode_stage1(
                 # NOTE: the two q terms as the rows of one [2 * BLOCK_H, ...] operand (h0, r0,
                 # h1, r1, ...): one m64n32 wgmma chain instead of two m64n16 ones (18 wgmma a
                 # tile against 36, the waits of one term), and each thread's accumulator holds
-                # a head's two columns, so the split is free (run AI: 0.94-1.18x two dots).
+                # a head's two columns, so the split is free (run AI: 0.91-1.18x two dots).
                 s2 = dot(kv, tl.trans(pq_nope), UPCAST)
                 if HALVES:
                     s2 += dot(kv_hi, tl.trans(pq_hi), UPCAST)
@@ -423,7 +423,7 @@ class MLADecodeConfig(NamedTuple):
     q_residual: bool = False
     # With q_residual: the two terms as the paired rows of one dot operand (h0, r0, h1, ...),
     # one wgmma chain of twice the width instead of two: 1.02-1.18x the two dots at batch 16
-    # and above on an H200, 0.94-0.97x at batch 1 (run AI).
+    # and above past 1K of context on an H200, 0.91-1.00x at batch 1 (run AI).
     q_pairs: bool = False
 
 
