@@ -7,7 +7,7 @@ This is the first piece of that route, compiled only (not run, not part of the e
 a one-warp loader partition gathers 64-token e4m3 latent tiles by slot id (page size 1) with
 cp.async into a two-deep shared-memory ring, signalling mbarriers; the default partition
 (one warp group) runs K q^T as an e4m3 wgmma straight from the ring. Use the GPU's Triton
-(3.6; Triton 3.9 renamed `async_copy_global_to_shared` to `async_load`):
+(3.6) to see what it would run there:
 
     PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py
 """
@@ -25,6 +25,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+# The gather into shared memory, by its Triton 3.9 name or its Triton 3.6 one.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 BLOCK_N = gl.constexpr(64)  # tokens a tile (the wgmma's M)
 LATENT = gl.constexpr(512)
 HEADS = gl.constexpr(16)
@@ -43,7 +45,7 @@ def _loader(kv_ptr, slots_ptr, n_tiles, ring, ready, empty):
         slot = gl.load(slots_ptr + offs_t).to(gl.int64)
         offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, layout))
         rows = kv_ptr + slot[:, None] * LATENT + offs_c[None, :]
-        async_copy.async_copy_global_to_shared(ring.index(s), rows)
+        _async_load(ring.index(s), rows)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
 
