@@ -234,9 +234,11 @@ def _mla_decode_stage1(
             # The dots run in fp16: q is scaled down by a power of two where it would overflow.
             q_mul = tl.exp2(tl.minimum(14.0 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0))
             q_dtype = tl.float16
-        q_nope, r_nope = _scale_q(q_nope, q_mul, q_dtype, Q_RESIDUAL)
-        q_hi, r_hi = _scale_q(q_hi, q_mul, q_dtype, Q_RESIDUAL)
-        q_pe, r_pe = _scale_q(q_pe, q_mul, q_dtype, Q_RESIDUAL)
+        # The residuals of these rows serve the two-dot form; Q_PAIRS builds its own below.
+        two_dots = Q_RESIDUAL and not Q_PAIRS
+        q_nope, r_nope = _scale_q(q_nope, q_mul, q_dtype, two_dots)
+        q_hi, r_hi = _scale_q(q_hi, q_mul, q_dtype, two_dots)
+        q_pe, r_pe = _scale_q(q_pe, q_mul, q_dtype, two_dots)
         scale = scale / q_mul
         if Q_PAIRS:
             offs_h2 = hg * BLOCK_H + tl.arange(0, 2 * BLOCK_H) // 2
@@ -273,7 +275,7 @@ def _mla_decode_stage1(
             # runs in fp16 after converting both operands. PV stays an fp16 mma.sync with heads
             # as M: an e4m3 PV needs V transposed byte by byte in shared memory (3.5-8x slower
             # on an H200), and a wgmma with the latent as M was slower than this (run AH).
-            if Q_RESIDUAL and Q_PAIRS:
+            if Q_PAIRS:
                 # NOTE: the two q terms as the rows of one [2 * BLOCK_H, ...] operand (h0, r0,
                 # h1, r1, ...): one m64n32 wgmma chain instead of two m64n16 ones (18 wgmma a
                 # tile against 36, the waits of one term), and each thread's accumulator holds
