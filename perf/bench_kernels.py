@@ -259,6 +259,14 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
 M = MLADecodeConfig
 # The FP8 default's QK: e4m3 dots, q as two e4m3 terms through one dot.
 PAIRS = {"fp8_dots": True, "q_residual": True, "q_pairs": True}
+# The warp-specialized Gluon kernel (sm_90): num_stages e4m3 tiles and `gluon` fp16 V tiles in
+# flight, q as two e4m3 terms or one.
+GLUON = [
+    MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
+    MLADecodeConfig(16, 64, 4, 3, 1.0, 128, q_residual=True, gluon=1),
+    MLADecodeConfig(16, 64, 4, 2, 2.0, 128, q_residual=True, gluon=2),
+    MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2),
+]
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
 # halves, fp8_dots, q_residual, q_pairs).
 TUNE = {
@@ -281,6 +289,7 @@ TUNE = {
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, **PAIRS),
         M(16, 128, 8, 2, 1.0, 128, fp8_dots=True),
+        *GLUON,
     ],
     (16, "ours_bf16"): [
         M(16, 64, 4, 3),
@@ -295,6 +304,7 @@ TUNE = {
         M(16, 64, 4, 3, 1.0, 128, fp8_dots=True, q_residual=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
         M(16, 64, 4, 2, 2.0, 128, halves=True, **PAIRS),
+        *GLUON,
     ],
     (128, "ours_bf16"): [
         M(64, 64, 8, 2),
@@ -312,8 +322,8 @@ TUNE = {
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs)
-    return (*(int(v) for v in cfg[:4]), cfg.slots_ahead, *(int(f) for f in flags))
+    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon)
+    return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 
 def split_candidates(batch: int, heads: int, ctx: int, cfg: MLADecodeConfig) -> list[int]:

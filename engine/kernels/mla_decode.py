@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import mla_decode_gluon
 from engine.kernels.launch import launch
 from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.kernels.utils import (
@@ -427,6 +428,11 @@ class MLADecodeConfig(NamedTuple):
     # one wgmma chain of twice the width instead of two: 1.02-1.18x the two dots at batch 16
     # and above past 1K of context on an H200, 0.91-1.00x at batch 1 (run AI).
     q_pairs: bool = False
+    # fp8 caches on Hopper: the warp-specialized Gluon kernel (`mla_decode_gluon`; block_h 16,
+    # block_n 64, num_stages e4m3 tiles in flight) with this many fp16 V tiles in flight (0:
+    # the Triton kernel). q_residual picks one or two e4m3 terms of q; the other flags are
+    # the Triton kernel's.
+    gluon: int = 0
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -472,69 +478,29 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
-def _launch(
+def _launch_stage1(
+    grid: tuple[int, int, int],
     q: torch.Tensor,
     kv: torch.Tensor,
     table: torch.Tensor,
     row_idx: torch.Tensor | None,
     seq_lens: torch.Tensor,
-    kv_lora_rank: int,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
     sm_scale: float,
     k_scale: torch.Tensor | None,
+    num_heads: int,
+    num_kv_splits: int,
+    c: int,
+    r: int,
     page_size: int,
-    num_kv_splits: int | None,
-    max_seq_len: int | None,
-    config: MLADecodeConfig | None,
-    value_proj: torch.Tensor | None = None,
-) -> torch.Tensor:
-    # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C], or [B, H, V]
-    # with value_proj [H, C, V]
-    batch, num_heads, head_dim = q.shape
-    c = kv_lora_rank
-    r = head_dim - c
-    assert kv.shape[-1] == head_dim, (kv.shape, q.shape)
-    assert c & (c - 1) == 0 and r & (r - 1) == 0, "kv_lora_rank and rope dim must be powers of 2"
-    assert kv.stride(-1) == 1 and q.stride(-1) == 1
-    is_fp8 = kv.dtype == torch.float8_e4m3fn
-    if is_fp8:
-        assert k_scale is not None, "an fp8 cache needs its k_scale"
-    cfg = config or default_config(num_heads, is_fp8, page_size)
-    if is_fp8 and cfg.fp8_dots and not fp8_dots_fit(q.device, c, r, cfg.halves):
-        # NOTE: e4m3 dots need sm_89+ and a reduction dim of at least 32; a default config
-        # falls back to fp16 dots, one asked for explicitly is refused.
-        assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
-        cfg = cfg._replace(fp8_dots=False)
-    fp8_dots = is_fp8 and cfg.fp8_dots
-    block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
-    assert page_size == 1 or page_size % block_n == 0
-    if num_kv_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max().item())  # NOTE: a host sync; pass it when capturing
-        num_kv_splits = choose_num_kv_splits(
-            batch, num_heads, max_seq_len, cfg.block_h, block_n,
-            waves=cfg.waves, min_tokens_per_split=cfg.min_split_tokens,
-        )  # fmt: skip
-    block_h = min(cfg.block_h, max(16, next_power_of_2(num_heads)))
-
-    if value_proj is not None:
-        assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
-    # Few requests of few heads: the merge and the value projection in one launch.
-    merge_project = (
-        value_proj is not None
-        and num_kv_splits > 1
-        and batch <= MERGE_PROJECT_MAX_ROWS
-        and num_heads <= MERGE_PROJECT_MAX_HEADS
-    )
-    out = None if merge_project else q.new_empty(batch, num_heads, c)
-    mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
-    # One split: stage 1 writes the final output itself and there is nothing to merge.
-    if out is not None and num_kv_splits == 1:
-        mid_o = out.unsqueeze(2)
-    else:
-        mid_o = torch.empty(
-            (batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device
-        )
-    grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
+    block_h: int,
+    block_n: int,
+    is_fp8: bool,
+    fp8_dots: bool,
+    cfg: MLADecodeConfig,
+) -> None:
+    """The Triton stage 1 (`_mla_decode_stage1`)."""
     launch(
         _mla_decode_stage1,
         grid,
@@ -577,6 +543,88 @@ def _launch(
         num_stages=cfg.num_stages,
         pdl=True,
     )
+
+
+def _launch(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    row_idx: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    sm_scale: float,
+    k_scale: torch.Tensor | None,
+    page_size: int,
+    num_kv_splits: int | None,
+    max_seq_len: int | None,
+    config: MLADecodeConfig | None,
+    value_proj: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # q [B, H, C + R]; kv [num_slots, C + R] (any row stride); out [B, H, C], or [B, H, V]
+    # with value_proj [H, C, V]
+    batch, num_heads, head_dim = q.shape
+    c = kv_lora_rank
+    r = head_dim - c
+    assert kv.shape[-1] == head_dim, (kv.shape, q.shape)
+    assert c & (c - 1) == 0 and r & (r - 1) == 0, "kv_lora_rank and rope dim must be powers of 2"
+    assert kv.stride(-1) == 1 and q.stride(-1) == 1
+    is_fp8 = kv.dtype == torch.float8_e4m3fn
+    if is_fp8:
+        assert k_scale is not None, "an fp8 cache needs its k_scale"
+    cfg = config or default_config(num_heads, is_fp8, page_size)
+    if is_fp8 and cfg.fp8_dots and not fp8_dots_fit(q.device, c, r, cfg.halves):
+        # NOTE: e4m3 dots need sm_89+ and a reduction dim of at least 32; a default config
+        # falls back to fp16 dots, one asked for explicitly is refused.
+        assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
+        cfg = cfg._replace(fp8_dots=False)
+    if is_fp8 and cfg.gluon and not mla_decode_gluon.fits(q.device, c, r, page_size):
+        assert config is None, "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64"
+        cfg = cfg._replace(gluon=0)
+    gluon = is_fp8 and cfg.gluon > 0
+    if gluon:
+        cfg = cfg._replace(block_h=mla_decode_gluon.BLOCK_H.value, block_n=64)
+    fp8_dots = is_fp8 and cfg.fp8_dots
+    block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
+    assert page_size == 1 or page_size % block_n == 0
+    if num_kv_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item())  # NOTE: a host sync; pass it when capturing
+        num_kv_splits = choose_num_kv_splits(
+            batch, num_heads, max_seq_len, cfg.block_h, block_n,
+            waves=cfg.waves, min_tokens_per_split=cfg.min_split_tokens,
+        )  # fmt: skip
+    block_h = min(cfg.block_h, max(16, next_power_of_2(num_heads)))
+
+    if value_proj is not None:
+        assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
+    # Few requests of few heads: the merge and the value projection in one launch.
+    merge_project = (
+        value_proj is not None
+        and num_kv_splits > 1
+        and batch <= MERGE_PROJECT_MAX_ROWS
+        and num_heads <= MERGE_PROJECT_MAX_HEADS
+    )
+    out = None if merge_project else q.new_empty(batch, num_heads, c)
+    mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    # One split: stage 1 writes the final output itself and there is nothing to merge.
+    if out is not None and num_kv_splits == 1:
+        mid_o = out.unsqueeze(2)
+    else:
+        mid_o = torch.empty(
+            (batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device
+        )
+    grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
+    if gluon:
+        assert k_scale is not None
+        mla_decode_gluon.launch_stage1(
+            q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
+            page_size, cfg.num_stages, cfg.gluon, cfg.q_residual,
+        )  # fmt: skip
+    else:
+        _launch_stage1(
+            grid, q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale, k_scale, num_heads,
+            num_kv_splits, c, r, page_size, block_h, block_n, is_fp8, fp8_dots, cfg,
+        )  # fmt: skip
     if out is None:
         assert value_proj is not None
         y = q.new_empty(batch, num_heads, value_proj.shape[2])

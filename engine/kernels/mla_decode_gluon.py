@@ -1,0 +1,353 @@
+"""MLA decode stage 1 over an FP8 (e4m3) latent pool as a warp-specialized Gluon kernel (sm_90).
+
+The Triton kernel (`mla_decode._mla_decode_stage1`) converts each e4m3 V tile to fp16 in the
+same warps that run the MMAs and the softmax, so loading and converting set its time (perf/
+RESULTS.md, run AI). Here each program (head group of 16, split, request) runs three partitions
+that hand tiles to each other through shared-memory rings guarded by mbarriers:
+
+- loader (1 warp): gathers each 64-token tile's rows by slot id with 16-byte cp.async into the
+  e4m3 ring (latent [64, C] and RoPE [64, R] parts), masked rows zero-filled;
+- converter (4 warps): turns the tile's e4m3 latent into an fp16 copy in the V ring;
+- attention (the default partition, one warp group): QK^T as e4m3 wgmmas with the tile's tokens
+  as M (scores [64 tokens, 16 heads]), straight from the e4m3 ring; the online softmax along
+  the tokens; PV as fp16 wgmmas with the latent as M (O^T [C, 16 heads] += V^T P^T), V^T read
+  from the fp16 copy in place (a 16-bit operand may be MN-major).
+
+q is quantized to e4m3 per (request, head group) before the partitions start, as one term or,
+with Q_RESIDUAL, as two (q and 16x its rounding error), so that the error stays that of the
+cache's own rounding. The splits' outputs and log-sum-exps are those of the Triton kernel
+(`store_split`), merged by `merge_splits`.
+
+Gluon kernels compile for the GPU only (there is no interpreter): CPU runs use the Triton
+kernel, and `tests/kernels/test_mla_decode_gluon.py` checks this one against the torch
+reference on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from engine.kernels.launch import is_interpreter
+
+# The gather into shared memory, by its Triton 3.9 name or its Triton 3.6 one.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# A barrier among the calling partition's warps, by its Triton 3.9 name or its Triton 3.6 one.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+BLOCK_N = gl.constexpr(64)  # tokens a tile: M of the QK wgmma
+BLOCK_H = gl.constexpr(16)  # heads a program: N of both wgmmas
+GATHER_ROWS = gl.constexpr(8)  # rows a loader step gathers (its slot ids sit in registers)
+CONVERT_ROWS = gl.constexpr(16)  # rows a converter step turns to fp16
+LOADER_WARPS = gl.constexpr(1)
+CONVERTER_WARPS = gl.constexpr(4)
+LOADER_REGS = gl.constexpr(48)
+CONVERTER_REGS = gl.constexpr(96)
+
+
+@gluon.jit
+def _n_tiles(start, end):
+    return gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+
+@gluon.jit
+def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):
+    """Slot ids of tokens n + offs of the tile at n (0 past `end`), and their mask. A tile never
+    crosses a page: with pages its slots follow the first one (`mla_decode._page_slots`)."""
+    pos = n + offs
+    mask = pos < end
+    if PAGE_SIZE == 1:
+        slot = gl.load(table_row + pos, mask=mask, other=0).to(gl.int64)
+    elif SLOT_TABLE:
+        slot = gl.load(table_row + n).to(gl.int64) + offs
+    else:
+        page = gl.load(table_row + n // PAGE_SIZE).to(gl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    return slot, mask
+
+
+@gluon.jit
+def _gather_rows(dst, kv_ptr, table_row, n, end, stride_kv, col0, layout: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):  # fmt: skip
+    """cp.async the tile's rows (columns col0 onwards, dst's width) into dst, GATHER_ROWS at a
+    time; rows past `end` are zero-filled."""
+    for r0 in gl.static_range(0, BLOCK_N, GATHER_ROWS):
+        offs_t = r0 + gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, layout))
+        slot, mask = _slots(table_row, n, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+        offs_c = col0 + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, layout))
+        ptrs = kv_ptr + slot[:, None] * stride_kv + offs_c[None, :]
+        _async_load(dst.slice(r0, GATHER_ROWS), ptrs, mask=mask[:, None])
+
+
+@gluon.jit
+def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
+            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):  # fmt: skip
+    """One warp: per tile, wait for its ring slot to be free, gather its rows, and have the
+    copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted)."""
+    C: gl.constexpr = lat_ring.shape[2]
+    R: gl.constexpr = pe_ring.shape[2]
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [1, 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // R, R // 16], [1, 1], [1, 0])
+    for i in range(_n_tiles(start, end)):
+        s = i % STAGES
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        n = start + i * BLOCK_N
+        _gather_rows(lat_ring.index(s), kv_ptr, table_row, n, end, stride_kv, 0, lat_layout,
+                     PAGE_SIZE, SLOT_TABLE)  # fmt: skip
+        _gather_rows(pe_ring.index(s), kv_ptr, table_row, n, end, stride_kv, C, pe_layout,
+                     PAGE_SIZE, SLOT_TABLE)  # fmt: skip
+        async_copy.mbarrier_arrive(kv_ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty):
+    """Four warps: per tile, the e4m3 latent turned into the fp16 V ring slot; the e4m3 slot is
+    released (with the attention partition's QK) and the V slot signalled."""
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    V_STAGES: gl.constexpr = v_ring.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+    for i in range(_n_tiles(start, end)):
+        s = i % STAGES
+        t = i % V_STAGES
+        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(v_empty.index(t), ((i // V_STAGES) & 1) ^ 1)
+        for r0 in gl.static_range(0, BLOCK_N, CONVERT_ROWS):
+            x = lat_ring.index(s).slice(r0, CONVERT_ROWS).load(layout)
+            v_ring.index(t).slice(r0, CONVERT_ROWS).store(x.to(gl.float16))
+        # Every warp's stores reach the async proxy (the wgmma) before one thread signals.
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(v_ready.index(t))
+        mbarrier.arrive(kv_empty.index(s))
+
+
+@gluon.jit
+def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
+            kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
+            start, end, scale, out_scale, num_heads,
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            Q_RESIDUAL: gl.constexpr):  # fmt: skip
+    """One warp group: scores, online softmax and PV per tile; then the split's output
+    (normalized, times out_scale) and log-sum-exp (log2 units), as `store_split` writes them."""
+    C: gl.constexpr = lat_ring.shape[2]
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    V_STAGES: gl.constexpr = v_ring.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([C, BLOCK_H], gl.float32, o_layout)
+    zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    for i in range(_n_tiles(start, end)):
+        s = i % STAGES
+        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+        # The ring was written by cp.async (the generic proxy); the wgmma reads it through the
+        # async proxy.
+        fence_async_shared()
+        qk = warpgroup_mma(lat_ring.index(s), q_s.permute((1, 0)), zero, use_acc=False)
+        qk = warpgroup_mma(pe_ring.index(s), q_pe_s.permute((1, 0)), qk)
+        if Q_RESIDUAL:
+            res = warpgroup_mma(lat_ring.index(s), r_s.permute((1, 0)), zero, use_acc=False)
+            res = warpgroup_mma(pe_ring.index(s), r_pe_s.permute((1, 0)), res)
+            qk = qk + res * (1.0 / 16.0)
+        mbarrier.arrive(kv_empty.index(s))
+        valid = start + i * BLOCK_N + offs_t < end
+        qk = gl.where(valid[:, None], qk * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+        fence_async_shared()
+        _barrier()
+        t = i % V_STAGES
+        mbarrier.wait(v_ready.index(t), (i // V_STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+        acc = warpgroup_mma(v_ring.index(t).permute((1, 0)), p_s.permute((1, 0)), acc)
+        mbarrier.arrive(v_empty.index(t))
+
+    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+    lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
+    if end > start:
+        gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
+        inv = gl.convert_layout(out_scale / l_i, gl.SliceLayout(0, o_layout))
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
+        offs_ho = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (
+            mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
+            + split * stride_mos + offs_c[:, None]
+        )  # fmt: skip
+        out = acc * inv[None, :]
+        gl.store(o_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[None, :])
+    else:
+        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        gl.store(lse_ptrs, empty, mask=offs_h < num_heads)
+
+
+@gluon.jit
+def _quantize_q(q_base, offs_h, mask_h, col0, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """q's [BLOCK_H, WIDTH] columns from col0 in fp32, and their absolute maximum."""
+    offs_c = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    x = gl.load(q_base + offs_h[:, None] + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    x = x.to(gl.float32)
+    return x, gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+@gluon.jit
+def _store_q(x, q_mul, dst, dst_res, Q_RESIDUAL: gl.constexpr):
+    """x * q_mul in e4m3 into dst and, with Q_RESIDUAL, 16x its rounding error into dst_res."""
+    y = x * q_mul
+    y8 = y.to(gl.float8e4nv)
+    dst.store(y8)
+    if Q_RESIDUAL:
+        dst_res.store(((y - y8.to(gl.float32)) * 16.0).to(gl.float8e4nv))
+
+
+@gluon.jit
+def mla_decode_fp8_ws_kernel(
+    q_ptr,  # [B, H, C + R]
+    kv_ptr,  # [num_slots, C + R] e4m3 (row stride given)
+    table_ptr,  # [rows, cols] int32: slot ids per position (SLOT_TABLE) or page ids
+    row_idx_ptr,  # [B] table row per request (only when HAS_ROW_IDX)
+    seq_lens_ptr,  # [B]
+    mid_o_ptr,  # [B, H, S, C] fp32, or the output [B, H, 1, C] when S == 1
+    mid_lse_ptr,  # [B, H, S] fp32 (log2 units)
+    qk_scale,  # sm_scale * log2(e)
+    k_scale_ptr,  # [1] fp32
+    stride_qb, stride_qh, stride_kv, stride_table,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    num_heads, num_splits,
+    C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
+    HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    Q_RESIDUAL: gl.constexpr,
+):  # fmt: skip
+    hg = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    if HAS_ROW_IDX:
+        row = gl.load(row_idx_ptr + b).to(gl.int64)
+    else:
+        row = b.to(gl.int64)
+    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    table_row = table_ptr + row * stride_table
+
+    # q of the head group in e4m3 (one scale for its heads), in shared memory as the wgmma's B.
+    lat_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
+    )
+    q_base = q_ptr + b.to(gl.int64) * stride_qb
+    offs_hl = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lat_layout))
+    offs_hp = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_layout))
+    q_lat, amax_lat = _quantize_q(
+        q_base, offs_hl * stride_qh, offs_hl < num_heads, 0, C, lat_layout
+    )
+    q_pe, amax_pe = _quantize_q(q_base, offs_hp * stride_qh, offs_hp < num_heads, C, R, pe_layout)
+    q_mul = 448.0 / gl.maximum(gl.maximum(amax_lat, amax_pe), 1e-30)
+    k_scale = gl.load(k_scale_ptr)
+    scale = qk_scale * k_scale / q_mul
+
+    e4m3_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    e4m3_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=R, element_bitwidth=8)
+    f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    q_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, C], e4m3_128)
+    q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, R], e4m3_pe)
+    r_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, C], e4m3_128)
+    r_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, R], e4m3_pe)
+    _store_q(q_lat, q_mul, q_s, r_s, Q_RESIDUAL)
+    _store_q(q_pe, q_mul, q_pe_s, r_pe_s, Q_RESIDUAL)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], f16_128)
+    lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
+    pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
+    v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, BLOCK_N, C], f16_128)
+    fence_async_shared()
+
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=32 * LOADER_WARPS)  # every loader lane's copies
+        mbarrier.init(kv_empty.index(s), count=2)  # the converter and the attention's QK
+    for t in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(t), count=1)
+        mbarrier.init(v_empty.index(t), count=1)
+
+    gl.warp_specialize(
+        [
+            (
+                _attend,
+                (
+                    q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
+                    kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
+                    start, end, scale, k_scale, num_heads,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, Q_RESIDUAL,
+                ),
+            ),
+            (_converter, (start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)),
+            (
+                _loader,
+                (
+                    kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
+                    kv_empty, PAGE_SIZE, SLOT_TABLE,
+                ),
+            ),
+        ],
+        [CONVERTER_WARPS, LOADER_WARPS],
+        [CONVERTER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+def fits(device: torch.device, kv_lora_rank: int, rope_dim: int, page_size: int) -> bool:
+    """Whether this kernel serves: a Hopper GPU (wgmma; Gluon compiles, never interprets), a
+    latent of 256 or 512 (two 64-token e4m3 tiles and two fp16 ones in shared memory), a RoPE
+    part of 32 or 64, and tiles that stay inside a page."""
+    if is_interpreter() or device.type != "cuda":
+        return False
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    pages_ok = page_size == 1 or page_size % BLOCK_N == 0
+    return hopper and kv_lora_rank in (256, 512) and rope_dim in (32, 64) and pages_ok
+
+
+def launch_stage1(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    row_idx: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    qk_scale: float,
+    k_scale: torch.Tensor,
+    page_size: int,
+    stages: int,
+    v_stages: int,
+    q_residual: bool,
+) -> None:
+    """Stage 1 over an e4m3 pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
+    output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does."""
+    batch, num_heads, head_dim = q.shape
+    c = mid_o.shape[-1]
+    grid = (triton.cdiv(num_heads, BLOCK_H.value), mid_lse.shape[2], batch)
+    mla_decode_fp8_ws_kernel[grid](
+        q, kv, table, row_idx if row_idx is not None else seq_lens, seq_lens, mid_o, mid_lse,
+        qk_scale, k_scale, q.stride(0), q.stride(1), kv.stride(0), table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
+        SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
+        V_STAGES=v_stages, Q_RESIDUAL=q_residual, num_warps=4,
+    )  # fmt: skip

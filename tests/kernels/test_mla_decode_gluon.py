@@ -1,0 +1,145 @@
+"""The warp-specialized Gluon FP8 MLA decode kernel (`engine.kernels.mla_decode_gluon`) against
+the torch reference, on a Hopper GPU (Gluon compiles for the GPU only; CPU runs take the Triton
+kernel, tested in test_mla_decode.py). DeepSeek's shape: latent 512, RoPE 64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.fp8 import quantize_fp8
+from engine.kernels.mla_decode import (
+    MLADecodeConfig,
+    default_config,
+    mla_decode,
+    mla_decode_paged,
+)
+from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs a Hopper GPU (sm_90)",
+    ),
+]
+
+C, R = 512, 64
+K_SCALE = 0.02
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _gluon(stages: int = 2, v_stages: int = 2, q_residual: bool = True) -> MLADecodeConfig:
+    return MLADecodeConfig(16, 64, 4, stages, 1.0, 128, q_residual=q_residual, gluon=v_stages)
+
+
+def _pool(seq_lens: list[int], heads: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """An e4m3 pool with each request's tokens at random slots (slot 0, the padding sink, holds
+    large values: reading it would show), req_to_token rows in random order, bf16 q."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    kv = torch.randn(total + 9, 1, C + R, generator=g)
+    kv[0] = 8.0
+    kv8 = quantize_fp8(kv, torch.tensor([K_SCALE]))
+    max_reqs = len(seq_lens) + 2
+    req_to_token = torch.zeros(max_reqs, max(seq_lens) + 3, dtype=torch.int32)
+    slots = torch.randperm(total + 8, generator=g)[:total] + 1
+    rows = torch.randperm(max_reqs, generator=g)[: len(seq_lens)]
+    off = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[rows[b], :n] = slots[off : off + n].int()
+        off += n
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    k_scale = torch.tensor([K_SCALE])
+    return tuple(t.cuda() for t in (q, kv8, req_to_token, rows.long(), lens, k_scale))
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [
+        ([1], 16, None),  # one token: one tile, 63 rows masked
+        ([37, 64, 65], 16, 1),  # one split (stage 1 writes the output); a tile edge
+        ([5, 1000, 17, 300], 16, None),  # mixed lengths, the default split count
+        ([3, 200], 20, 8),  # two head groups, the second mostly masked; empty splits
+        ([130, 7], 128, 3),  # DeepSeek-V3's heads (eight groups)
+        ([4100], 16, 2),  # many tiles a split: the rings wrap many times
+    ],
+)
+def test_gluon_matches_reference(seq_lens: list[int], heads: int, splits: int | None) -> None:
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=len(seq_lens))
+    scale = (C + R) ** -0.5
+    ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale)
+    out = mla_decode(
+        q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale, num_kv_splits=splits,
+        config=_gluon(),
+    )  # fmt: skip
+    assert out.shape == (len(seq_lens), heads, C) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out.float()).all()
+    # Two e4m3 terms of q: the error is about that of the fp16 dots (bf16 output, fp16 P).
+    assert _rel_err(out, ref) < 2e-2
+    one_term = mla_decode(
+        q, kv8, req_to_token, rows, lens, C, scale, k_scale=k_scale, num_kv_splits=splits,
+        config=_gluon(q_residual=False),
+    )  # fmt: skip
+    assert _rel_err(one_term, ref) < 8e-2
+    assert _rel_err(out, ref) < _rel_err(one_term, ref)
+
+
+@pytest.mark.parametrize("stages,v_stages", [(2, 1), (3, 1), (2, 2)])
+def test_gluon_ring_depths_agree(stages: int, v_stages: int) -> None:
+    """The ring depths change only the overlap: the same sums in the same order."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool([700, 90], 16, seed=5)
+    args = (q, kv8, req_to_token, rows, lens, C, 0.05)
+    outs = [
+        mla_decode(*args, k_scale=k_scale, num_kv_splits=2, config=cfg)
+        for cfg in (_gluon(), _gluon(stages, v_stages))
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_gluon_matches_triton_kernel() -> None:
+    """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
+    args = (q, kv8, req_to_token, rows, lens, C, 0.04)
+    triton_out = mla_decode(*args, k_scale=k_scale, config=default_config(16, True))
+    out = mla_decode(*args, k_scale=k_scale, config=_gluon())
+    assert _rel_err(out, triton_out) < 1e-2
+
+
+def test_gluon_paged() -> None:
+    """FlashMLA's paged layout (page 64, a block table), with a request ending mid-page."""
+    g = torch.Generator().manual_seed(3)
+    page, seq_lens, heads = 64, [1, 64, 130, 1000], 16
+    max_pages = (max(seq_lens) + page - 1) // page
+    num_pages = len(seq_lens) * max_pages + 1
+    cache = quantize_fp8(torch.randn(num_pages, page, 1, C + R, generator=g), torch.tensor([0.03]))
+    block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
+    block_table = block_table.view(len(seq_lens), max_pages).int()
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    k_scale = torch.tensor([0.03])
+    q, cache, block_table, lens, k_scale = (
+        t.cuda() for t in (q, cache, block_table, lens, k_scale)
+    )
+    ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05, k_scale=k_scale)
+    out = mla_decode_paged(
+        q, cache, block_table, lens, C, 0.05, k_scale=k_scale, num_kv_splits=3, config=_gluon()
+    )
+    assert _rel_err(out, ref) < 2e-2
+
+
+def test_gluon_value_proj() -> None:
+    """With MLA's W_UV the merged output is projected per head (at batch <= 4 in one launch
+    with the merge)."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool([300, 40], 16, seed=11)
+    w = torch.randn(16, C, 128, device="cuda", dtype=torch.bfloat16) * 0.05
+    out = mla_decode(
+        q, kv8, req_to_token, rows, lens, C, 0.05, k_scale=k_scale, config=_gluon(), value_proj=w
+    )
+    ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, 0.05, k_scale=k_scale)
+    ref = torch.einsum("bhc,hcv->bhv", ref.float(), w.float())
+    assert _rel_err(out, ref) < 2e-2
