@@ -30,7 +30,11 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from engine.kernels.launch import is_interpreter
 
@@ -41,11 +45,10 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_N = gl.constexpr(64)  # tokens a tile: M of the QK wgmma
 BLOCK_H = gl.constexpr(16)  # heads a program: N of both wgmmas
-GATHER_ROWS = gl.constexpr(8)  # rows a loader step gathers (its slot ids sit in registers)
 CONVERT_ROWS = gl.constexpr(16)  # rows a converter step turns to fp16
 LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
-LOADER_REGS = gl.constexpr(48)
+LOADER_REGS = gl.constexpr(80)
 CONVERTER_REGS = gl.constexpr(96)
 
 
@@ -56,52 +59,47 @@ def _n_tiles(start, end):
 
 @gluon.jit
 def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):
-    """Slot ids of tokens n + offs of the tile at n (0 past `end`), and their mask. A tile never
+    """Slot ids of the tile at n (tokens n + offs; 0 past `end`), and their mask. A tile never
     crosses a page: with pages its slots follow the first one (`mla_decode._page_slots`)."""
     pos = n + offs
     mask = pos < end
     if PAGE_SIZE == 1:
         slot = gl.load(table_row + pos, mask=mask, other=0).to(gl.int64)
     elif SLOT_TABLE:
-        slot = gl.load(table_row + n).to(gl.int64) + offs
+        slot = gl.load(table_row + n, mask=n < end, other=0).to(gl.int64) + offs
     else:
-        page = gl.load(table_row + n // PAGE_SIZE).to(gl.int64)
+        page = gl.load(table_row + n // PAGE_SIZE, mask=n < end, other=0).to(gl.int64)
         slot = page * PAGE_SIZE + pos % PAGE_SIZE
     return slot, mask
 
 
 @gluon.jit
-def _gather_rows(dst, kv_ptr, table_row, n, end, stride_kv, col0, layout: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):  # fmt: skip
-    """cp.async the tile's rows (columns col0 onwards, dst's width) into dst, GATHER_ROWS at a
-    time; rows past `end` are zero-filled."""
-    for r0 in gl.static_range(0, BLOCK_N, GATHER_ROWS):
-        offs_t = r0 + gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, layout))
-        slot, mask = _slots(table_row, n, offs_t, end, PAGE_SIZE, SLOT_TABLE)
-        offs_c = col0 + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, layout))
-        ptrs = kv_ptr + slot[:, None] * stride_kv + offs_c[None, :]
-        _async_load(dst.slice(r0, GATHER_ROWS), ptrs, mask=mask[:, None])
-
-
-@gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
             PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):  # fmt: skip
-    """One warp: per tile, wait for its ring slot to be free, gather its rows, and have the
-    copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted)."""
+    """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
+    have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
+
+    Pairs of lanes take a row's 32 bytes (whole sectors), 16 rows a step: a lane holds 4 of the
+    tile's slot ids, read one tile ahead so that the copies never wait on them."""
     C: gl.constexpr = lat_ring.shape[2]
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
-    lat_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [1, 1], [1, 0])
-    pe_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // R, R // 16], [1, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [1, 1], [1, 0])
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
+    slot, mask = _slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
-        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
         n = start + i * BLOCK_N
-        _gather_rows(lat_ring.index(s), kv_ptr, table_row, n, end, stride_kv, 0, lat_layout,
-                     PAGE_SIZE, SLOT_TABLE)  # fmt: skip
-        _gather_rows(pe_ring.index(s), kv_ptr, table_row, n, end, stride_kv, C, pe_layout,
-                     PAGE_SIZE, SLOT_TABLE)  # fmt: skip
+        next_slot, next_mask = _slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+        mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        rows = kv_ptr + slot[:, None] * stride_kv
+        _async_load(lat_ring.index(s), rows + offs_c[None, :], mask=mask[:, None])
+        _async_load(pe_ring.index(s), rows + offs_r[None, :], mask=mask[:, None])
         async_copy.mbarrier_arrive(kv_ready.index(s), increment_count=False)
+        slot = next_slot
+        mask = next_mask
 
 
 @gluon.jit
@@ -154,12 +152,20 @@ def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
         # The ring was written by cp.async (the generic proxy); the wgmma reads it through the
         # async proxy.
         fence_async_shared()
-        qk = warpgroup_mma(lat_ring.index(s), q_s.permute((1, 0)), zero, use_acc=False)
-        qk = warpgroup_mma(pe_ring.index(s), q_pe_s.permute((1, 0)), qk)
+        # The two q terms' chains are issued together and waited for once.
+        qk = warpgroup_mma(
+            lat_ring.index(s), q_s.permute((1, 0)), zero, use_acc=False, is_async=True
+        )
+        qk = warpgroup_mma(pe_ring.index(s), q_pe_s.permute((1, 0)), qk, is_async=True)
         if Q_RESIDUAL:
-            res = warpgroup_mma(lat_ring.index(s), r_s.permute((1, 0)), zero, use_acc=False)
-            res = warpgroup_mma(pe_ring.index(s), r_pe_s.permute((1, 0)), res)
+            res = warpgroup_mma(
+                lat_ring.index(s), r_s.permute((1, 0)), zero, use_acc=False, is_async=True
+            )
+            res = warpgroup_mma(pe_ring.index(s), r_pe_s.permute((1, 0)), res, is_async=True)
+            qk, res = warpgroup_mma_wait(0, deps=(qk, res))
             qk = qk + res * (1.0 / 16.0)
+        else:
+            qk = warpgroup_mma_wait(0, deps=(qk,))
         mbarrier.arrive(kv_empty.index(s))
         valid = start + i * BLOCK_N + offs_t < end
         qk = gl.where(valid[:, None], qk * scale, float("-inf"))
@@ -319,7 +325,7 @@ def fits(device: torch.device, kv_lora_rank: int, rope_dim: int, page_size: int)
     if is_interpreter() or device.type != "cuda":
         return False
     hopper = torch.cuda.get_device_capability(device) == (9, 0)
-    pages_ok = page_size == 1 or page_size % BLOCK_N == 0
+    pages_ok = page_size == 1 or page_size % BLOCK_N.value == 0
     return hopper and kv_lora_rank in (256, 512) and rope_dim in (32, 64) and pages_ok
 
 

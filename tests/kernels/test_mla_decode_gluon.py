@@ -86,7 +86,8 @@ def test_gluon_matches_reference(seq_lens: list[int], heads: int, splits: int | 
         config=_gluon(q_residual=False),
     )  # fmt: skip
     assert _rel_err(one_term, ref) < 8e-2
-    assert _rel_err(out, ref) < _rel_err(one_term, ref)
+    if max(seq_lens) > 1:  # (one token: the output is its V row, whatever the scores)
+        assert _rel_err(out, ref) < _rel_err(one_term, ref)
 
 
 @pytest.mark.parametrize("stages,v_stages", [(2, 1), (3, 1), (2, 2)])
