@@ -1,127 +1,92 @@
-"""Compile a warp-specialized Gluon pipeline for Hopper without a GPU and count its PTX.
+"""Compile the Gluon FP8 MLA decode kernel for Hopper without a GPU and count its PTX.
 
-Issue 16's FP8 target needs what FlashMLA's FP8 kernel has and `tl.dot` code cannot get: warps
-that load (and transform) KV tiles while others run the MMAs (perf/RESULTS.md, run AI). Gluon
-(`triton.experimental.gluon`, in the Triton 3.6 of the H200) gives explicit warp partitions.
-This is the first piece of that route, compiled only (not run, not part of the engine):
-a one-warp loader partition gathers 64-token e4m3 latent tiles by slot id (page size 1) with
-cp.async into a two-deep shared-memory ring, signalling mbarriers; the default partition
-(one warp group) runs K q^T as an e4m3 wgmma straight from the ring. Use the GPU's Triton
+`engine.kernels.mla_decode_gluon` is a warp-specialized kernel: a loader warp gathering tiles
+with cp.async into an mbarrier ring, converter warps, and one warp group running e4m3 and fp16
+wgmmas. Gluon has no interpreter, so CPU machines can only compile it; this prints what the
+compiler made of it for sm_90 (instruction counts, shared memory, spills). Use the GPU's Triton
 (3.6) to see what it would run there:
 
-    PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py
+    PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py [--page 64] [--stages 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mbarrier
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-# The gather into shared memory, by its Triton 3.9 name or its Triton 3.6 one.
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-BLOCK_N = gl.constexpr(64)  # tokens a tile (the wgmma's M)
-LATENT = gl.constexpr(512)
-HEADS = gl.constexpr(16)
-RING = gl.constexpr(2)  # tiles in flight
-
-
-@gluon.jit
-def _loader(kv_ptr, slots_ptr, n_tiles, ring, ready, empty):
-    """One warp: for each tile, wait for its ring slot to be free, gather its rows by slot id
-    (16-byte cp.async), and have the copies arrive on the slot's `ready` barrier."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [1, 1], [1, 0])
-    for i in range(n_tiles):
-        s = i % RING
-        mbarrier.wait(empty.index(s), ((i // RING) & 1) ^ 1)
-        offs_t = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        slot = gl.load(slots_ptr + offs_t).to(gl.int64)
-        offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, layout))
-        rows = kv_ptr + slot[:, None] * LATENT + offs_c[None, :]
-        _async_load(ring.index(s), rows)
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-
-
-@gluon.jit
-def _scores(q_smem, out_ptr, n_tiles, ring, ready, empty):
-    """The default partition: scores^T [tokens, heads] of each tile as an e4m3 wgmma, the
-    ring slot released right after (a sum of them stands in for the softmax and PV)."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32]
-    )
-    total = gl.zeros([BLOCK_N, HEADS], gl.float32, acc_layout)
-    for i in range(n_tiles):
-        s = i % RING
-        mbarrier.wait(ready.index(s), (i // RING) & 1)
-        acc = gl.zeros([BLOCK_N, HEADS], gl.float32, acc_layout)
-        acc = warpgroup_mma(ring.index(s), q_smem.permute((1, 0)), acc)
-        mbarrier.arrive(empty.index(s))
-        total += acc
-    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    offs_h = gl.arange(0, HEADS, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(out_ptr + offs_t[:, None] * HEADS + offs_h[None, :], total)
-
-
-@gluon.jit
-def pipeline_kernel(q_ptr, kv_ptr, slots_ptr, out_ptr, n_tiles):
-    mma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [RING, BLOCK_N, LATENT], mma_smem)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, LATENT], mma_smem)
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
-    offs_h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, q_layout))
-    offs_c = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    q_smem.store(gl.load(q_ptr + offs_h[:, None] * LATENT + offs_c[None, :]))
-    fence_async_shared()
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=32)  # the loader warp's lanes
-        mbarrier.init(empty.index(s), count=1)
-    gl.warp_specialize(
-        [
-            (_scores, (q_smem, out_ptr, n_tiles, ring, ready, empty)),
-            (_loader, (kv_ptr, slots_ptr, n_tiles, ring, ready, empty)),
-        ],
-        [1],  # loader warps
-        [40],  # loader registers a thread
-    )
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.kernels import mla_decode_gluon  # noqa: E402
 
 PATTERNS = {
-    "wgmma": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.e4m3\.e4m3",
+    "wgmma e4m3": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.e4m3\.e4m3",
+    "wgmma f16": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.f16\.f16",
     "cp.async 16B": r"cp\.async\.cg\.shared\.global",
     "cp.async arrive": r"cp\.async\.mbarrier\.arrive",
     "mbarrier wait": r"mbarrier\.try_wait",
-    "setmaxnreg": r"setmaxnreg\.\w+",
+    "cvt e4m3x2": r"cvt\.rn\.f16x2\.e4m3x2",
+    "setmaxnreg": r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
+    "local memory": r"(?:ld|st)\.local",
 }
+_INTS = (
+    "stride_qb stride_qh stride_kv stride_table stride_mob stride_moh stride_mos stride_mlb "
+    "stride_mlh num_heads num_splits"
+).split()
+# Arguments Triton's launcher would mark 16-byte aligned (pointers, strides of 16).
+_ALIGNED = (
+    "q_ptr kv_ptr table_ptr mid_o_ptr mid_lse_ptr stride_qb stride_qh stride_kv stride_table "
+    "stride_mob stride_moh stride_mos"
+).split()
 
 
-def compile_pipeline() -> Any:
+def compile_kernel(
+    page_size: int = 1, stages: int = 2, v_stages: int = 2, q_residual: bool = True
+) -> Any:
+    """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
     sig = {
-        "q_ptr": "*fp8e4nv", "kv_ptr": "*fp8e4nv", "slots_ptr": "*i32", "out_ptr": "*fp32",
-        "n_tiles": "i32",
+        "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "table_ptr": "*i32", "row_idx_ptr": "*i64",
+        "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "qk_scale": "fp32",
+        "k_scale_ptr": "*fp32", **dict.fromkeys(_INTS, "i32"),
     }  # fmt: skip
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 3)}
-    src = GluonASTSource(fn=pipeline_kernel, signature=sig, constexprs={}, attrs=aligned)
+    consts: dict[str, Any] = {
+        "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
+        "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
+        "Q_RESIDUAL": q_residual,
+    }  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    names = list(sig)
+    src = GluonASTSource(
+        fn=mla_decode_gluon.mla_decode_fp8_ws_kernel,
+        signature=sig,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED},
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def main() -> None:
-    kernel = compile_pipeline()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--page", type=int, default=1)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--v-stages", type=int, default=2)
+    ap.add_argument("--one-term", action="store_true", help="q as one e4m3 term")
+    args = ap.parse_args()
+    kernel = compile_kernel(args.page, args.stages, args.v_stages, not args.one_term)
     ptx = kernel.asm["ptx"]
+    threads = re.search(r"\.reqntid (\d+)", ptx)
     print(
         f"triton {triton.__version__}, target sm_90, shared KB {kernel.metadata.shared / 1024:.1f}"
+        f", threads {threads[1] if threads else '?'}"
     )
     for name, pattern in PATTERNS.items():
         found = re.findall(pattern, ptx)
-        print(f"  {name}: {len(found)} {sorted(set(found))}")
+        print(f"  {name}: {len(found)} {sorted(set(found))[:4]}")
 
 
 if __name__ == "__main__":
