@@ -25,6 +25,8 @@ reference on a Hopper GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -50,6 +52,7 @@ LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(80)
 CONVERTER_REGS = gl.constexpr(96)
+PREFETCH_QK = os.environ.get("ENGINE_GLUON_PREFETCH", "1") == "1"  # (experiment knob)
 
 
 @gluon.jit
@@ -125,11 +128,31 @@ def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empt
 
 
 @gluon.jit
-def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
+def _issue_qk(lat, pe, q_s, q_pe_s, zero):
+    """QK^T of one tile [tokens, q rows] as one e4m3 wgmma chain, issued (not waited for)."""
+    sq = warpgroup_mma(lat, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(pe, q_pe_s.permute((1, 0)), sq, is_async=True)
+
+
+@gluon.jit
+def _combine_terms(sq, s_layout: gl.constexpr):
+    """Scores [tokens, heads] from the QK chain's [tokens, q rows]: with q's two terms stacked
+    (rows h and 16 + h) the first plus the second / 16; a thread holds both (registers j and
+    j + 2 of the m64n32 accumulator), so the split moves no data."""
+    if sq.shape[1] == 2 * BLOCK_H:
+        main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, BLOCK_H]), (0, 2, 1)))
+        qk = gl.convert_layout(main + res * (1.0 / 16.0), s_layout)
+    else:
+        qk = sq
+    return qk
+
+
+@gluon.jit
+def _attend(q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
             kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, scale, out_scale, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-            Q_RESIDUAL: gl.constexpr):  # fmt: skip
+            PREFETCH: gl.constexpr):  # fmt: skip
     """One warp group: scores, online softmax and PV per tile; then the split's output
     (normalized, times out_scale) and log-sum-exp (log2 units), as `store_split` writes them."""
     C: gl.constexpr = lat_ring.shape[2]
@@ -144,29 +167,40 @@ def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_layout))
     acc = gl.zeros([C, BLOCK_H], gl.float32, o_layout)
-    zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, s_layout)
+    Q_ROWS: gl.constexpr = q_s.shape[0]
+    sq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, 32]
+    )
+    zero = gl.zeros([BLOCK_N, Q_ROWS], gl.float32, sq_layout)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    for i in range(_n_tiles(start, end)):
-        s = i % STAGES
-        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
-        # The ring was written by cp.async (the generic proxy); the wgmma reads it through the
-        # async proxy.
+    n_tiles = _n_tiles(start, end)
+    if PREFETCH:
+        # NOTE: QK of the next tile is issued before this tile's softmax, so the tensor cores
+        # work while the warps compute; its result is waited for together with this tile's PV.
+        # The last iteration issues one on a stale slot (skipping its waits), never used.
+        mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
         fence_async_shared()
-        # The two q terms' chains are issued together and waited for once.
-        qk = warpgroup_mma(
-            lat_ring.index(s), q_s.permute((1, 0)), zero, use_acc=False, is_async=True
+        sq = warpgroup_mma_wait(
+            0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
         )
-        qk = warpgroup_mma(pe_ring.index(s), q_pe_s.permute((1, 0)), qk, is_async=True)
-        if Q_RESIDUAL:
-            res = warpgroup_mma(
-                lat_ring.index(s), r_s.permute((1, 0)), zero, use_acc=False, is_async=True
-            )
-            res = warpgroup_mma(pe_ring.index(s), r_pe_s.permute((1, 0)), res, is_async=True)
-            qk, res = warpgroup_mma_wait(0, deps=(qk, res))
-            qk = qk + res * (1.0 / 16.0)
+    for i in range(n_tiles):
+        s = i % STAGES
+        if PREFETCH:
+            mbarrier.arrive(kv_empty.index(s))
+            s1 = (i + 1) % STAGES
+            mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+            fence_async_shared()
+            next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
         else:
-            qk = warpgroup_mma_wait(0, deps=(qk,))
-        mbarrier.arrive(kv_empty.index(s))
+            mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+            # The ring was written by cp.async (the generic proxy); the wgmma reads it through
+            # the async proxy.
+            fence_async_shared()
+            sq = warpgroup_mma_wait(
+                0, deps=(_issue_qk(lat_ring.index(s), pe_ring.index(s), q_s, q_pe_s, zero),)
+            )
+            mbarrier.arrive(kv_empty.index(s))
+        qk = _combine_terms(sq, s_layout)
         valid = start + i * BLOCK_N + offs_t < end
         qk = gl.where(valid[:, None], qk * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 0))
@@ -180,7 +214,13 @@ def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
         t = i % V_STAGES
         mbarrier.wait(v_ready.index(t), (i // V_STAGES) & 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        acc = warpgroup_mma(v_ring.index(t).permute((1, 0)), p_s.permute((1, 0)), acc)
+        acc = warpgroup_mma(
+            v_ring.index(t).permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True
+        )
+        if PREFETCH:
+            sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(t))
 
     offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
@@ -202,22 +242,26 @@ def _attend(q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
 
 
 @gluon.jit
-def _quantize_q(q_base, offs_h, mask_h, col0, WIDTH: gl.constexpr, layout: gl.constexpr):
-    """q's [BLOCK_H, WIDTH] columns from col0 in fp32, and their absolute maximum."""
+def _load_q(q_base, rows, mask_h, col0, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """q's [len(rows), WIDTH] columns from col0 (row offsets `rows`) in fp32, and their
+    absolute maximum."""
     offs_c = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
-    x = gl.load(q_base + offs_h[:, None] + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+    x = gl.load(q_base + rows[:, None] + offs_c[None, :], mask=mask_h[:, None], other=0.0)
     x = x.to(gl.float32)
     return x, gl.max(gl.max(gl.abs(x), 1), 0)
 
 
 @gluon.jit
-def _store_q(x, q_mul, dst, dst_res, Q_RESIDUAL: gl.constexpr):
-    """x * q_mul in e4m3 into dst and, with Q_RESIDUAL, 16x its rounding error into dst_res."""
+def _store_q(x, q_mul, dst, Q_RESIDUAL: gl.constexpr):
+    """x * q_mul in e4m3 into dst; with Q_RESIDUAL the rows from BLOCK_H on (x's rows again)
+    hold 16x the first rows' rounding error instead."""
     y = x * q_mul
     y8 = y.to(gl.float8e4nv)
-    dst.store(y8)
     if Q_RESIDUAL:
-        dst_res.store(((y - y8.to(gl.float32)) * 16.0).to(gl.float8e4nv))
+        res8 = ((y - y8.to(gl.float32)) * 16.0).to(gl.float8e4nv)
+        second = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, x.type.layout)) >= BLOCK_H
+        y8 = gl.where(second[:, None], res8, y8)
+    dst.store(y8)
 
 
 @gluon.jit
@@ -237,6 +281,7 @@ def mla_decode_fp8_ws_kernel(
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     Q_RESIDUAL: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):  # fmt: skip
     hg = gl.program_id(0)
     split = gl.program_id(1)
@@ -256,13 +301,15 @@ def mla_decode_fp8_ws_kernel(
     pe_layout: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
     )
+    # NOTE: with Q_RESIDUAL q's two terms are the stacked rows of one operand [32, C + R]
+    # (terms of head h in rows h and 16 + h): QK is one m64n32 wgmma chain, each tile read
+    # once from shared memory.
+    Q_ROWS: gl.constexpr = 2 * BLOCK_H if Q_RESIDUAL else BLOCK_H
     q_base = q_ptr + b.to(gl.int64) * stride_qb
-    offs_hl = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lat_layout))
-    offs_hp = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, pe_layout))
-    q_lat, amax_lat = _quantize_q(
-        q_base, offs_hl * stride_qh, offs_hl < num_heads, 0, C, lat_layout
-    )
-    q_pe, amax_pe = _quantize_q(q_base, offs_hp * stride_qh, offs_hp < num_heads, C, R, pe_layout)
+    heads_l = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, lat_layout)) % BLOCK_H
+    heads_p = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, pe_layout)) % BLOCK_H
+    q_lat, amax_lat = _load_q(q_base, heads_l * stride_qh, heads_l < num_heads, 0, C, lat_layout)
+    q_pe, amax_pe = _load_q(q_base, heads_p * stride_qh, heads_p < num_heads, C, R, pe_layout)
     q_mul = 448.0 / gl.maximum(gl.maximum(amax_lat, amax_pe), 1e-30)
     k_scale = gl.load(k_scale_ptr)
     scale = qk_scale * k_scale / q_mul
@@ -270,12 +317,10 @@ def mla_decode_fp8_ws_kernel(
     e4m3_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
     e4m3_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=R, element_bitwidth=8)
     f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
-    q_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, C], e4m3_128)
-    q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, R], e4m3_pe)
-    r_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, C], e4m3_128)
-    r_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, R], e4m3_pe)
-    _store_q(q_lat, q_mul, q_s, r_s, Q_RESIDUAL)
-    _store_q(q_pe, q_mul, q_pe_s, r_pe_s, Q_RESIDUAL)
+    q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
+    q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
+    _store_q(q_lat, q_mul, q_s, Q_RESIDUAL)
+    _store_q(q_pe, q_mul, q_pe_s, Q_RESIDUAL)
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], f16_128)
     lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
     pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
@@ -298,10 +343,10 @@ def mla_decode_fp8_ws_kernel(
             (
                 _attend,
                 (
-                    q_s, q_pe_s, r_s, r_pe_s, p_s, lat_ring, pe_ring, v_ring,
+                    q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
                     kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
                     start, end, scale, k_scale, num_heads,
-                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, Q_RESIDUAL,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, PREFETCH,
                 ),
             ),
             (_converter, (start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)),
@@ -355,5 +400,5 @@ def launch_stage1(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
-        V_STAGES=v_stages, Q_RESIDUAL=q_residual, num_warps=4,
+        V_STAGES=v_stages, Q_RESIDUAL=q_residual, PREFETCH=PREFETCH_QK, num_warps=4,
     )  # fmt: skip
