@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from engine.kernels.launch import is_interpreter
+from engine.kernels.launch import is_interpreter, launch
 
 # The gather into shared memory, by its Triton 3.9 name or its Triton 3.6 one.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -394,7 +394,8 @@ def launch_stage1(
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     grid = (triton.cdiv(num_heads, BLOCK_H.value), mid_lse.shape[2], batch)
-    mla_decode_fp8_ws_kernel[grid](
+    launch(
+        mla_decode_fp8_ws_kernel, grid,
         q, kv, table, row_idx if row_idx is not None else seq_lens, seq_lens, mid_o, mid_lse,
         qk_scale, k_scale, q.stride(0), q.stride(1), kv.stride(0), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
