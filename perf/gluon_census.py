@@ -50,7 +50,6 @@ def compile_kernel(
     stages: int = 2,
     v_stages: int = 2,
     q_residual: bool = True,
-    prefetch: bool = True,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
     sig = {
@@ -61,7 +60,7 @@ def compile_kernel(
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
-        "Q_RESIDUAL": q_residual, "PREFETCH": prefetch,
+        "Q_RESIDUAL": q_residual,
     }  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = list(sig)
@@ -80,11 +79,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--v-stages", type=int, default=2)
     ap.add_argument("--one-term", action="store_true", help="q as one e4m3 term")
-    ap.add_argument("--no-prefetch", action="store_true", help="QK waited for in its own tile")
     args = ap.parse_args()
-    kernel = compile_kernel(
-        args.page, args.stages, args.v_stages, not args.one_term, not args.no_prefetch
-    )
+    kernel = compile_kernel(args.page, args.stages, args.v_stages, not args.one_term)
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
     print(
