@@ -260,8 +260,8 @@ M = MLADecodeConfig
 # The FP8 default's QK: e4m3 dots, q as two e4m3 terms through one dot.
 PAIRS = {"fp8_dots": True, "q_residual": True, "q_pairs": True}
 # The warp-specialized Gluon kernel (sm_90): num_stages e4m3 tiles and `gluon` fp16 V tiles in
-# flight, q as two e4m3 terms or one. Run AJ also timed 3 e4m3 tiles with one V tile (1.15x
-# slower: the converter then waits on PV) and 2 loader warps (1.01-1.04x slower).
+# flight, q as two e4m3 terms or one. Run AJ also timed 3 e4m3 tiles with one V tile (1.17x
+# slower: the converter then waits on PV) and 2 loader warps (1.02-1.04x slower).
 GLUON = [
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
     MLADecodeConfig(16, 64, 4, 2, 2.0, 128, q_residual=True, gluon=2),
