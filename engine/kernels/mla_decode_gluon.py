@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from engine.kernels.launch import is_interpreter, launch
+from engine.kernels.utils import split_bounds
 
 # The gather into shared memory, by its Triton 3.9 name or its Triton 3.6 one.
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -274,14 +275,9 @@ def mla_decode_fp8_ws_kernel(
     hg = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    if HAS_ROW_IDX:
-        row = gl.load(row_idx_ptr + b).to(gl.int64)
-    else:
-        row = b.to(gl.int64)
-    per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = gl.minimum(start + per_split, seq_len)
+    row, start, end = split_bounds(
+        seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
+    )
     table_row = table_ptr + row * stride_table
 
     # q of the head group in e4m3 (one scale for its heads), in shared memory as the wgmma's B.
