@@ -43,6 +43,7 @@ row, and causal attention (QK and PV over every (query, key) pair of each head).
         --fp8-absorb-compare                                              # FP8 absorbed weights
     python3 perf/bench_engine.py --kv fp8,bf16 --isolate ...              # a process per dtype
     python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba ...       # fp8, bf16, bf16, fp8
+    python3 perf/bench_engine.py --kv bf16,fp8,fp8_gluon --isolate ...    # + the Gluon FP8 decode
     .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
 
 On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would end
@@ -81,7 +82,10 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 
 COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
-KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3"}
+KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3", "fp8_gluon": "fp8_e4m3"}
+# Engine settings a --kv name adds: "fp8_gluon" decodes its FP8 cache with the warp-specialized
+# Gluon kernel (EngineConfig.mla_decode_kernel; Hopper GPUs only).
+KV_OPTIONS: dict[str, dict[str, Any]] = {"fp8_gluon": {"mla_decode_kernel": "gluon"}}
 OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
 COMPILE_EXPECTED_S = 240.0  # a compile engine beyond a plain engine's start (run E: 175 s + runs)
 # The compile engines' graphs and compiled sizes (1, 2, 4, 8, 16): batch 1 and 16 are measured,
@@ -579,7 +583,7 @@ class Bench:
 
     def ceilings(self, llm: LLM, kv: str) -> Ceilings:
         wbytes = torch.empty(0, dtype=llm.core.runner.dtype).element_size()
-        return Ceilings(self.shape, wbytes, 1 if kv == "fp8" else wbytes, self.bandwidth)
+        return Ceilings(self.shape, wbytes, 1 if kv.startswith("fp8") else wbytes, self.bandwidth)
 
     def batch1_engine(self, profile: bool = False, **overrides: Any) -> dict[str, Any] | None:
         """Batch-1 decode of an engine of its own (eager, overlap flipped), with `profile` a
@@ -795,7 +799,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save()
             continue
         t0 = time.perf_counter()
-        llm = bench.make_llm(kv_cache_dtype=KV_DTYPES[kv])
+        llm = bench.make_llm(kv_cache_dtype=KV_DTYPES[kv], **KV_OPTIONS.get(kv, {}))
         took[f"{kv} engine"] = time.perf_counter() - t0
         try:
             result["kv_tokens"][kv] = llm.core.runner.max_total_tokens
@@ -979,8 +983,9 @@ def order_report(runs: list[dict[str, Any]]) -> list[str]:
                 f"{_f(mean(rs, 'prefill', 'tok_s'), '.0f')} tok/s"
             )
         ratio = ""
-        if e2e.get("fp8") and e2e.get("bf16"):
-            ratio = f" | fp8/bf16 e2e {e2e['fp8'] / e2e['bf16']:.3f}x"
+        for fp8 in ("fp8", "fp8_gluon"):
+            if e2e.get(fp8) and e2e.get("bf16"):
+                ratio += f" | {fp8}/bf16 e2e {e2e[fp8] / e2e['bf16']:.3f}x"
         lines.append(f"    N={n}: " + "; ".join(cells) + ratio)
     return lines
 
@@ -1057,7 +1062,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="N = 1,16,64 and 64 new tokens")
     ap.add_argument("--ns", default=None, help="request counts, e.g. 1,16 (default 1,16,...,256)")
     ap.add_argument(
-        "--kv", default="bf16,fp8", help="KV dtypes to run, in this order: bf16, fp8 or both"
+        "--kv",
+        default="bf16,fp8",
+        help="KV dtypes to run, in this order: bf16, fp8 and fp8_gluon (FP8 with the Gluon "
+        "decode kernel, sm_90)",
     )
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")

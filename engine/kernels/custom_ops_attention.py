@@ -64,6 +64,7 @@ def _mla_decode_op(
     max_seq_len: int,
     page_size: int,
     value_proj: Tensor | None = None,
+    gluon: bool = False,
 ) -> Tensor:
     return _mla_decode.mla_decode(
         q,
@@ -77,6 +78,7 @@ def _mla_decode_op(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
+        config=_mla_decode.gluon_config(q.shape[1]) if gluon else None,
     )
 
 
@@ -93,6 +95,7 @@ def _(
     max_seq_len: int,
     page_size: int,
     value_proj: Tensor | None = None,
+    gluon: bool = False,
 ) -> Tensor:
     width = kv_lora_rank if value_proj is None else value_proj.shape[2]
     return q.new_empty(q.shape[0], q.shape[1], width)
@@ -181,8 +184,10 @@ def mla_decode(
     max_seq_len: int,
     page_size: int,
     value_proj: Tensor | None = None,
+    gluon: bool = False,
 ) -> Tensor:
-    """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync)."""
+    """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync).
+    `gluon`: an FP8 cache's decode through the warp-specialized Gluon kernel (sm_90)."""
     if _tracing():
         return _mla_decode_op(
             q,
@@ -196,6 +201,7 @@ def mla_decode(
             max_seq_len,
             page_size,
             value_proj,
+            gluon,
         )
     return _mla_decode.mla_decode(
         q,
@@ -209,6 +215,7 @@ def mla_decode(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
+        config=_mla_decode.gluon_config(q.shape[1]) if gluon else None,
     )
 
 

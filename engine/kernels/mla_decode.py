@@ -478,6 +478,14 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
+def gluon_config(num_heads: int) -> MLADecodeConfig:
+    """The warp-specialized Gluon kernel for FP8 caches (sm_90, `mla_decode_gluon`): 2 e4m3 and
+    2 fp16 V tiles in flight, q as two e4m3 terms, one program an SM (run AJ's best)."""
+    return default_config(num_heads, True)._replace(
+        block_h=16, block_n=64, num_warps=4, num_stages=2, waves=1.0, q_residual=True, gluon=2
+    )
+
+
 def _launch_stage1(
     grid: tuple[int, int, int],
     q: torch.Tensor,

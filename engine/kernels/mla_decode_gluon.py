@@ -115,7 +115,10 @@ def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empt
     released (with the attention partition's QK) and the V slot signalled."""
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+    # NOTE: 8 bytes a thread, so that its fp16 copy is one 16-byte store: `gl.bank_conflicts`
+    # (Triton 3.6) counts no excess wavefronts for the load and the store, against two
+    # accesses a store wavefront with 16 bytes a thread (32-byte fp16 stores).
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
         t = i % V_STAGES

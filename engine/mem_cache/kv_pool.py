@@ -123,7 +123,7 @@ class MLATokenToKVPool(KVPool):
     ) -> None:
         self.size, self.num_layers, self.dtype = size, num_layers, dtype
         self.page_size = page_size
-        self.kv_lora_rank = kv_lora_rank
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.store_dtype = _store_dtype(dtype, kv_cache_dtype)
         dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [

@@ -41,10 +41,13 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graph = True
     traceable = True  # decode and the KV store are custom ops (engine/kernels/custom_ops.py)
 
-    def __init__(self, kv_pool: KVPool) -> None:
+    def __init__(self, kv_pool: KVPool, gluon_decode: bool = False) -> None:
         super().__init__(kv_pool)
         self.is_mla = isinstance(kv_pool, MLATokenToKVPool)
         self.native = TorchNativeBackend(kv_pool)
+        # MLA decode over the FP8 pool through the Gluon kernel (EngineConfig.mla_decode_kernel,
+        # checked by `make_attention_backend`).
+        self.gluon_decode = gluon_decode
 
     # ---- metadata -----------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -111,6 +114,7 @@ class TritonBackend(AttentionBackend):
                 max_seq_len=meta.max_seq_len,
                 page_size=pool.page_size,
                 value_proj=value_proj,
+                gluon=self.gluon_decode,
             )
         assert isinstance(pool, MHATokenToKVPool) and value_proj is None
         return gqa_decode(

@@ -1,0 +1,64 @@
+"""EngineConfig.mla_decode_kernel="gluon": MLA decode over an FP8 cache through the
+warp-specialized Gluon kernel (engine/kernels/mla_decode_gluon.py). A setting that cannot run
+is refused at start with the reason; on a Hopper GPU the engine's logits match the Triton
+kernel's, eager and replayed from CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_graph import _teacher_forced_logits, v2lite_two_layers  # noqa: F401 (fixture)
+
+from engine import LLM
+from engine.config import ConfigError, EngineConfig
+from engine.executor.model_runner import ModelRunner
+
+GLUON = dict(kv_cache_dtype="fp8_e4m3", mla_decode_kernel="gluon")
+CPU = dict(device="cpu", dtype="float32", max_total_tokens=256, max_context_len=64)
+
+
+def test_option_is_validated() -> None:
+    with pytest.raises(ConfigError, match="mla_decode_kernel must be one of"):
+        EngineConfig(mla_decode_kernel="flashmla")
+    with pytest.raises(ConfigError, match="decodes FP8 caches only"):
+        EngineConfig(mla_decode_kernel="gluon")
+    assert EngineConfig(**GLUON).mla_decode_kernel == "gluon"  # type: ignore[arg-type]
+
+
+def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
+    """Not an MLA model; an MLA model on a CPU (Gluon compiles for Hopper GPUs only)."""
+    with pytest.raises(ConfigError, match="applies to MLA models"):
+        ModelRunner(EngineConfig(model=tiny_llama, **CPU, **GLUON))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"needs a Hopper GPU \(sm_90; this is cpu\)"):
+        ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU, **GLUON))  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
+def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # noqa: F811
+    """DeepSeek-V2-Lite's shape, FP8 cache, teacher-forced: the Gluon kernel's decode logits
+    against the Triton kernel's (the same two-term q, the same cache), eager and from graphs."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130, 300, 515)]
+    forced = [[rng.randrange(100, 40000) for _ in range(12)] for _ in prompts]
+    common = dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=8192)
+    common.update(max_running_requests=8)
+    llm = LLM(v2lite_two_layers, enable_cuda_graph=False, **common)  # type: ignore[arg-type]
+    triton_logits = _teacher_forced_logits(llm, prompts, forced)
+    del llm
+    for graphs in (False, True):
+        llm = LLM(
+            v2lite_two_layers, enable_cuda_graph=graphs, cuda_graph_max_bs=8,
+            mla_decode_kernel="gluon", **common,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert llm.core.runner.attn_backend.gluon_decode  # type: ignore[attr-defined]
+        got = _teacher_forced_logits(llm, prompts, forced)
+        del llm
+        scale = triton_logits.abs().max().item()
+        assert (got - triton_logits).abs().max().item() <= 0.03 * scale
+        assert (got.argmax(-1) == triton_logits.argmax(-1)).float().mean().item() >= 0.9
