@@ -33,6 +33,17 @@ def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
         ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU, **GLUON))  # type: ignore[arg-type]
 
 
+def test_refused_outside_the_triton_backend(tiny_mla, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel would fit (a stand-in for a Hopper GPU), the torch-native backend, which
+    never calls it, is refused rather than silently ignoring the setting."""
+    from engine.kernels import mla_decode_gluon
+
+    monkeypatch.setattr(mla_decode_gluon, "fits", lambda *args: True)
+    cfg = EngineConfig(model=tiny_mla("v2"), **CPU, **GLUON)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="runs in the Triton attention backend, not"):
+        ModelRunner(cfg)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
