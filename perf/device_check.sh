@@ -41,6 +41,7 @@ step pytest 560 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/tes
     tests/test_triton_backend.py tests/test_models_reference.py tests/test_kv_pool.py \
     tests/test_engine_batching.py tests/test_sampler.py tests/test_overlap.py \
     tests/test_torch_compile.py tests/test_fp8_absorbed.py tests/test_prefill_warmup.py \
+    tests/test_gluon_decode_option.py \
     -k "not default_model and not shared_prefix and not stop_strings and not min_tokens and not (solo and llama) and not fp8_cache_follows"
 step bench_kernels 150 python3 perf/bench_kernels.py --out "$OUT"
 # Issue 16: the decode kernels' tile configs tuned (bench_kernels.py TUNE) at page size 1 (the
