@@ -37,7 +37,7 @@ step() {
 }
 
 # The default model's weights are not on the device: leave out the tests that need them.
-step pytest 560 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
+step pytest 590 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
     tests/test_triton_backend.py tests/test_models_reference.py tests/test_kv_pool.py \
     tests/test_engine_batching.py tests/test_sampler.py tests/test_overlap.py \
     tests/test_torch_compile.py tests/test_fp8_absorbed.py tests/test_prefill_warmup.py \
