@@ -586,11 +586,15 @@ def _launch(
         assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
         cfg = cfg._replace(fp8_dots=False)
     if is_fp8 and cfg.gluon and not mla_decode_gluon.fits(q.device, c, r, page_size):
-        assert config is None, "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64"
+        assert config is None, (
+            "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64, pages of 1 or 64k"
+        )
         cfg = cfg._replace(gluon=0)
     gluon = is_fp8 and cfg.gluon > 0
     if gluon:
-        cfg = cfg._replace(block_h=mla_decode_gluon.BLOCK_H.value, block_n=64)
+        cfg = cfg._replace(
+            block_h=mla_decode_gluon.BLOCK_H.value, block_n=mla_decode_gluon.BLOCK_N.value
+        )
     fp8_dots = is_fp8 and cfg.fp8_dots
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
