@@ -18,8 +18,8 @@ with Q_RESIDUAL, as two (q and 16x its rounding error), so that the error stays 
 cache's own rounding. The splits' outputs and log-sum-exps are those of the Triton kernel
 (`store_split`), merged by `merge_splits`.
 
-Measured on an H200 (perf/RESULTS.md, run AJ): 1.02-1.10x the Triton kernel at page size 1 from
-batch 16 past 1K of context, 0.92-1.00x at batch 1 and at batch 16 ctx 1K, 0.70-0.95x FlashMLA's
+Measured on an H200 (perf/RESULTS.md, run AJ): 1.02-1.10x the Triton kernel at page size 1 at
+batch 16 and above, 0.92-1.00x at batch 1 and at batch 16 ctx 1K, 0.70-0.95x FlashMLA's
 FP8 kernel; the fp16 copy of V and PV cost about a third of the time, the e4m3 loads alone run
 at 3.4-4.0 TB/s. So it is opt-in (`MLADecodeConfig(..., gluon=2)`), not the default.
 
