@@ -480,76 +480,10 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
 
 def gluon_config(num_heads: int) -> MLADecodeConfig:
     """The warp-specialized Gluon kernel for FP8 caches (sm_90, `mla_decode_gluon`): 2 e4m3 and
-    2 fp16 V tiles in flight, q as two e4m3 terms, one program an SM (run AJ's best)."""
+    2 fp16 V tiles in flight, q as two e4m3 terms, one program an SM (run AJ's best). Its tile
+    shape is the kernel's own (`_launch` sets it); the Triton fields serve a GPU it misses."""
     return default_config(num_heads, True)._replace(
-        block_h=16, block_n=64, num_warps=4, num_stages=2, waves=1.0, q_residual=True, gluon=2
-    )
-
-
-def _launch_stage1(
-    grid: tuple[int, int, int],
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    table: torch.Tensor,
-    row_idx: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    mid_o: torch.Tensor,
-    mid_lse: torch.Tensor,
-    sm_scale: float,
-    k_scale: torch.Tensor | None,
-    num_heads: int,
-    num_kv_splits: int,
-    c: int,
-    r: int,
-    page_size: int,
-    block_h: int,
-    block_n: int,
-    is_fp8: bool,
-    fp8_dots: bool,
-    cfg: MLADecodeConfig,
-) -> None:
-    """The Triton stage 1 (`_mla_decode_stage1`)."""
-    launch(
-        _mla_decode_stage1,
-        grid,
-        q,
-        kv,
-        table,
-        row_idx if row_idx is not None else seq_lens,
-        seq_lens,
-        mid_o,
-        mid_lse,
-        sm_scale * _LOG2E,
-        k_scale if k_scale is not None else mid_lse,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        table.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        num_heads,
-        num_kv_splits,
-        C=c,
-        R=r,
-        PAGE_SIZE=page_size,
-        SLOT_TABLE=row_idx is not None,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        HAS_ROW_IDX=row_idx is not None,
-        IS_FP8=is_fp8,
-        USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
-        UPCAST=INTERPRET_UPCAST,
-        SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
-        HALVES=cfg.halves,
-        FP8_DOTS=fp8_dots,
-        Q_RESIDUAL=fp8_dots and cfg.q_residual,
-        Q_PAIRS=fp8_dots and cfg.q_residual and cfg.q_pairs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        pdl=True,
+        num_stages=2, waves=1.0, q_residual=True, gluon=2
     )
 
 
@@ -633,10 +567,48 @@ def _launch(
             page_size, cfg.num_stages, cfg.gluon, cfg.q_residual,
         )  # fmt: skip
     else:
-        _launch_stage1(
-            grid, q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale, k_scale, num_heads,
-            num_kv_splits, c, r, page_size, block_h, block_n, is_fp8, fp8_dots, cfg,
-        )  # fmt: skip
+        launch(
+            _mla_decode_stage1,
+            grid,
+            q,
+            kv,
+            table,
+            row_idx if row_idx is not None else seq_lens,
+            seq_lens,
+            mid_o,
+            mid_lse,
+            sm_scale * _LOG2E,
+            k_scale if k_scale is not None else mid_lse,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            table.stride(0),
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            num_heads,
+            num_kv_splits,
+            C=c,
+            R=r,
+            PAGE_SIZE=page_size,
+            SLOT_TABLE=row_idx is not None,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            HAS_ROW_IDX=row_idx is not None,
+            IS_FP8=is_fp8,
+            USE_PTX=is_fp8 and not is_interpreter() and has_fp8_cvt(q.device),
+            UPCAST=INTERPRET_UPCAST,
+            SLOTS_AHEAD=resolve_slots_ahead(cfg, page_size, is_fp8),
+            HALVES=cfg.halves,
+            FP8_DOTS=fp8_dots,
+            Q_RESIDUAL=fp8_dots and cfg.q_residual,
+            Q_PAIRS=fp8_dots and cfg.q_residual and cfg.q_pairs,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            pdl=True,
+        )
     if out is None:
         assert value_proj is not None
         y = q.new_empty(batch, num_heads, value_proj.shape[2])
