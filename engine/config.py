@@ -128,7 +128,7 @@ def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ABSORBED_WEIGHT_DTYPES = ("auto", "fp8_e4m3")
-MLA_DECODE_KERNELS = ("triton", "gluon")
+MLA_DECODE_KERNELS = ("auto", "triton", "gluon")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
@@ -148,10 +148,12 @@ class EngineConfig:
     # MLA's absorbed W_UK / W_UV (w_kc, w_vc) at decode: "auto" (model dtype) or "fp8_e4m3"
     # (quantized at load time, per-output-channel fp32 scales; engine/layers/fp8_bmm.py).
     absorbed_weight_dtype: str = "auto"
-    # MLA decode over an FP8 cache: "triton" (the default kernel) or "gluon", the
-    # warp-specialized Gluon kernel (engine/kernels/mla_decode_gluon.py; Hopper GPUs, a latent
-    # of 256/512 and RoPE of 32/64 as DeepSeek's, page size 1 or a multiple of 64).
-    mla_decode_kernel: str = "triton"
+    # MLA decode over an FP8 cache: "gluon", the warp-specialized Gluon kernel
+    # (engine/kernels/mla_decode_gluon.py; Hopper GPUs, a latent of 256/512 and RoPE of 32/64
+    # as DeepSeek's, page size 1 or a multiple of 64), "triton" (the kernel every GPU runs), or
+    # "auto": the Gluon kernel where it serves, else the Triton one (1.19-1.27x faster at batch
+    # >= 16 past 1K of context on an H200, perf/RESULTS.md run AK).
+    mla_decode_kernel: str = "auto"
     page_size: int = 1
     mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
     max_total_tokens: int | None = None  # KV slots; None: measured (CUDA) or 16384 (CPU)

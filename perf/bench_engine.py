@@ -43,7 +43,7 @@ row, and causal attention (QK and PV over every (query, key) pair of each head).
         --fp8-absorb-compare                                              # FP8 absorbed weights
     python3 perf/bench_engine.py --kv fp8,bf16 --isolate ...              # a process per dtype
     python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba ...       # fp8, bf16, bf16, fp8
-    python3 perf/bench_engine.py --kv bf16,fp8,fp8_gluon --isolate ...    # + the Gluon FP8 decode
+    python3 perf/bench_engine.py --kv bf16,fp8,fp8_triton --isolate ...   # + the Triton FP8 decode
     .venv/bin/python perf/bench_engine.py --tiny --quick --device cpu     # seconds, on CPU
 
 On CPU "bf16" names the engine's default KV dtype (float32 there). Measurements that would end
@@ -82,10 +82,15 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 
 COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
-KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3", "fp8_gluon": "fp8_e4m3"}
-# Engine settings a --kv name adds: "fp8_gluon" decodes its FP8 cache with the warp-specialized
-# Gluon kernel (EngineConfig.mla_decode_kernel; Hopper GPUs only).
-KV_OPTIONS: dict[str, dict[str, Any]] = {"fp8_gluon": {"mla_decode_kernel": "gluon"}}
+KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3", "fp8_gluon": "fp8_e4m3", "fp8_triton": "fp8_e4m3"}
+# Engine settings a --kv name adds (EngineConfig.mla_decode_kernel): "fp8" is the engine's
+# default ("auto": the warp-specialized Gluon decode kernel on Hopper GPUs, else the Triton
+# one); "fp8_gluon" asks for the Gluon kernel (refused where it cannot run), "fp8_triton" for
+# the Triton kernel.
+KV_OPTIONS: dict[str, dict[str, Any]] = {
+    "fp8_gluon": {"mla_decode_kernel": "gluon"},
+    "fp8_triton": {"mla_decode_kernel": "triton"},
+}
 OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
 COMPILE_EXPECTED_S = 240.0  # a compile engine beyond a plain engine's start (run E: 175 s + runs)
 # The compile engines' graphs and compiled sizes (1, 2, 4, 8, 16): batch 1 and 16 are measured,
@@ -983,7 +988,7 @@ def order_report(runs: list[dict[str, Any]]) -> list[str]:
                 f"{_f(mean(rs, 'prefill', 'tok_s'), '.0f')} tok/s"
             )
         ratio = ""
-        for fp8 in ("fp8", "fp8_gluon"):
+        for fp8 in ("fp8", "fp8_gluon", "fp8_triton"):
             if e2e.get(fp8) and e2e.get("bf16"):
                 ratio += f" | {fp8}/bf16 e2e {e2e[fp8] / e2e['bf16']:.3f}x"
         lines.append(f"    N={n}: " + "; ".join(cells) + ratio)
@@ -1064,8 +1069,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--kv",
         default="bf16,fp8",
-        help="KV dtypes to run, in this order: bf16, fp8 and fp8_gluon (FP8 with the Gluon "
-        "decode kernel, sm_90)",
+        help="KV dtypes to run, in this order: bf16, fp8 (the engine's default decode kernel), "
+        "fp8_gluon and fp8_triton (FP8 with the Gluon decode kernel, sm_90, or the Triton one)",
     )
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")

@@ -32,9 +32,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine.kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
     default_config,
+    gluon_config,
     mla_decode,
     mla_decode_paged,
 )
+from engine.kernels.mla_decode_gluon import fits as gluon_fits  # noqa: E402
 from engine.kernels.utils import choose_num_kv_splits  # noqa: E402
 
 C, R, PAGE = 512, 64, 64
@@ -190,13 +192,26 @@ def ours_fns(
             num_kv_splits=splits, config=cfg,
         )  # fmt: skip
 
-    return {
+    fns = {
         "ours_bf16": paged(p.cache, s_b),
         "ours_bf16_p1": engine_pool(kv1, s_1),
         "ours_bf16_p64": engine_pool(kv1, s_b, page=PAGE),
         "ours_fp8": paged(p.cache8, s_8, p.k_scale),
         "ours_fp8_p1": engine_pool(kv8, split_count(True, 1), p.k_scale),
     }
+    if cfg is None and gluon_fits(q.device, C, R, PAGE):
+        # The Gluon kernel as the engine picks it (`EngineConfig.mla_decode_kernel="gluon"`):
+        # its config for this call's size, its own split count.
+        g = gluon_config(heads, p.batch, p.ctx)
+        fns["gluon_fp8_p1"] = lambda: mla_decode(
+            q, kv8, p.req_to_token, p.req_pool_indices, p.seq_lens, C, scale,
+            k_scale=p.k_scale, max_seq_len=p.ctx, config=g,
+        )  # fmt: skip
+        fns["gluon_fp8"] = lambda: mla_decode_paged(
+            q, p.cache8, p.block_table, p.seq_lens, C, scale, k_scale=p.k_scale,
+            max_seq_len=p.ctx, config=g,
+        )  # fmt: skip
+    return fns
 
 
 def _out(x: Any) -> torch.Tensor:
@@ -216,8 +231,9 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
         "ours bf16 page-1 us | ratio | ours bf16 engine page-64 us | ratio | "
         "FlashMLA fp8 us | ours fp8 us (GB/s) | "
         "vs FlashMLA bf16 | vs FlashMLA fp8 | ours fp8 page-1 us | vs FlashMLA fp8 | "
-        "bf16 % copy | fp8 % copy |\n"
-        "|" + " --- |" * 18
+        "bf16 % copy | fp8 % copy | Gluon fp8 page-1 us | vs FlashMLA fp8 | vs FlashMLA bf16 | "
+        "Gluon fp8 paged us | vs FlashMLA fp8 |\n"
+        "|" + " --- |" * 23
     )
     for batch in args.batches:
         for ctx in args.contexts:
@@ -230,8 +246,9 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
                 if "fm_bf16" in fns:
                     ref = _out(fns["fm_bf16"]())
                     for k in ("ours_bf16", "ours_bf16_p1", "ours_bf16_p64", "ours_fp8",
-                              "ours_fp8_p1", "fm_fp8"):  # fmt: skip
-                        check[k] = rel_err(_out(fns[k]()), ref)
+                              "ours_fp8_p1", "fm_fp8", "gluon_fp8_p1", "gluon_fp8"):  # fmt: skip
+                        if k in fns:
+                            check[k] = rel_err(_out(fns[k]()), ref)
                 b16, b8 = p.bytes(heads, 2), p.bytes(heads, 1)
                 rec = {"heads": heads, "batch": batch, "ctx": ctx, "t": t, "err": check}
                 log.append(rec)
@@ -248,6 +265,12 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
                     f"{100 * b16 / ob / 1e9 / copy_gbs:.0f}% | "
                     f"{100 * b8 / o8 / 1e9 / copy_gbs:.0f}% |"
                 )
+                nan = float("nan")
+                g1, gp = t.get("gluon_fp8_p1", nan), t.get("gluon_fp8", nan)
+                line += (
+                    f" {g1 * 1e6:.1f} | {fm8 / g1:.2f}x | {fm / g1:.2f}x | "
+                    f"{gp * 1e6:.1f} | {fm8 / gp:.2f}x |"
+                )
                 rows.append(line)
                 errs = " ".join(f"{k}={v:.1e}" for k, v in check.items())
                 print(line, f"  err vs FlashMLA bf16: {errs}", flush=True)
@@ -262,10 +285,17 @@ PAIRS = {"fp8_dots": True, "q_residual": True, "q_pairs": True}
 # The warp-specialized Gluon kernel (sm_90): num_stages e4m3 tiles and `gluon` fp16 V tiles in
 # flight, q as two e4m3 terms or one. Run AJ also timed 3 e4m3 tiles with one V tile (1.17x
 # slower: the converter then waits on PV) and 2 loader warps (1.02-1.04x slower).
+# v_rows splits a tile's fp16 V into slots of that many tokens, so that the e4m3 ring can be
+# deeper in the same shared memory (perf/gluon_census.py: all of these fit, no spills).
 GLUON = [
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
     MLADecodeConfig(16, 64, 4, 2, 2.0, 128, q_residual=True, gluon=2),
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2),
+    MLADecodeConfig(16, 64, 4, 3, 1.0, 128, q_residual=True, gluon=3, v_rows=32),
+    MLADecodeConfig(16, 64, 4, 3, 1.0, 128, q_residual=True, gluon=6, v_rows=16),
+    MLADecodeConfig(16, 64, 4, 4, 1.0, 128, q_residual=True, gluon=3, v_rows=16),
+    MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=4, v_rows=16),
+    MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=2, v_rows=32),
 ]
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
 # halves, fp8_dots, q_residual, q_pairs).
@@ -322,7 +352,7 @@ TUNE = {
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
-    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon)
+    flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 
@@ -357,6 +387,8 @@ def tune_mla(args: argparse.Namespace, log: list[dict[str, Any]]) -> None:
                         print(f"  no tile configs for {kind} at {heads} heads", flush=True)
                         continue
                     for cfg in TUNE[(heads, kind)]:
+                        if args.gluon_only and not cfg.gluon:
+                            continue
                         try:
                             out = ours_fns(p, q, scale, cfg, 2)[kind]()
                         except Exception as e:  # noqa: BLE001 (out of shared memory etc.)
@@ -668,6 +700,9 @@ def main() -> None:
         nargs="+",
         default=["ours_bf16", "ours_fp8"],
         help="for --tune: ours_bf16, ours_fp8 (paged), ours_bf16_p1, ours_fp8_p1 (page size 1)",
+    )
+    ap.add_argument(
+        "--gluon-only", action="store_true", help="for --tune: only the Gluon kernel's configs"
     )
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))

@@ -14,18 +14,34 @@ from pathlib import Path
 
 import pytest
 
+from engine.kernels.mla_decode import MLADecodeConfig, gluon_config
+
 REPO = Path(__file__).resolve().parents[1]
 H200_SHARED_KB = 227
 
 
-@pytest.mark.parametrize("flags", [[], ["--page", "64", "--stages", "3", "--v-stages", "1"]])
+def _flags(cfg: MLADecodeConfig) -> list[str]:
+    rings = ["--stages", str(cfg.num_stages), "--v-stages", str(cfg.gluon)]
+    return [*rings, "--v-rows", str(cfg.v_rows)] + ([] if cfg.q_residual else ["--one-term"])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # The engine's picks (a small call and a large one), and the deepest e4m3 ring.
+        _flags(gluon_config(16, 1, 1024)),
+        _flags(gluon_config(16, 128, 16384)),
+        ["--page", "64", "--stages", "3", "--v-stages", "1"],
+    ],
+)
 def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
     out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
     counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
     # QK over 576: chains of 18 k-steps of 32 (q's two terms stacked as N = 32; the first
-    # tile's chain issued before the loop), PV: 8 M-blocks x 4 k-steps.
+    # tile's chain issued before the loop), PV: 8 M-blocks x 4 k-steps of 16 tokens, however
+    # many V slots a tile is cut into.
     assert counts["wgmma e4m3"] in (18, 36) and "m64n32k32" in out.stdout, out.stdout
     assert counts["wgmma f16"] == 32, out.stdout
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout

@@ -1,6 +1,7 @@
-"""EngineConfig.mla_decode_kernel="gluon": MLA decode over an FP8 cache through the
-warp-specialized Gluon kernel (engine/kernels/mla_decode_gluon.py). A setting that cannot run
-is refused at start with the reason; on a Hopper GPU the engine's logits match the Triton
+"""EngineConfig.mla_decode_kernel: MLA decode over an FP8 cache through the warp-specialized
+Gluon kernel (engine/kernels/mla_decode_gluon.py) or the Triton one. "gluon" where it cannot
+run is refused at start with the reason; "auto" (the default) takes the Gluon kernel where it
+serves and the Triton one elsewhere; on a Hopper GPU the engine's logits match the Triton
 kernel's, eager and replayed from CUDA graphs."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 from test_cuda_graph import _teacher_forced_logits, v2lite_two_layers  # noqa: F401 (fixture)
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.executor.model_runner import ModelRunner
 
@@ -23,6 +24,31 @@ def test_option_is_validated() -> None:
     with pytest.raises(ConfigError, match="decodes FP8 caches only"):
         EngineConfig(mla_decode_kernel="gluon")
     assert EngineConfig(**GLUON).mla_decode_kernel == "gluon"  # type: ignore[arg-type]
+    assert EngineConfig().mla_decode_kernel == "auto"
+
+
+def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" on a CPU: the Triton kernel, and the engine runs; where the Gluon kernel would
+    fit (a stand-in for a Hopper GPU), the Triton backend takes it, the torch-native one and a
+    bf16 pool do not."""
+    from engine.kernels import mla_decode_gluon
+    from engine.layers.attention.registry import make_attention_backend
+    from engine.layers.attention.triton_backend import TritonBackend
+
+    fp8 = dict(model=tiny_mla("v2"), **CPU, kv_cache_dtype="fp8_e4m3")
+    llm = LLM(**fp8)  # type: ignore[arg-type]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3
+    pool, cpu = llm.core.runner.kv_pool, torch.device("cpu")
+    triton = make_attention_backend("triton", pool, cpu, "auto")
+    assert isinstance(triton, TritonBackend) and not triton.gluon_decode
+    monkeypatch.setattr(mla_decode_gluon, "fits", lambda *args: True)
+    triton = make_attention_backend("triton", pool, cpu, "auto")
+    assert isinstance(triton, TritonBackend) and triton.gluon_decode
+    assert not make_attention_backend("triton", pool, cpu, "triton").gluon_decode  # type: ignore[attr-defined]
+    assert not isinstance(make_attention_backend("torch_native", pool, cpu, "auto"), TritonBackend)
+    bf16 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU))  # type: ignore[arg-type]
+    assert not make_attention_backend("triton", bf16.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
 
 
 def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
@@ -59,7 +85,9 @@ def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # 
     forced = [[rng.randrange(100, 40000) for _ in range(12)] for _ in prompts]
     common = dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=8192)
     common.update(max_running_requests=8)
-    llm = LLM(v2lite_two_layers, enable_cuda_graph=False, **common)  # type: ignore[arg-type]
+    llm = LLM(
+        v2lite_two_layers, enable_cuda_graph=False, mla_decode_kernel="triton", **common,  # type: ignore[arg-type]
+    )  # fmt: skip
     triton_logits = _teacher_forced_logits(llm, prompts, forced)
     del llm
     for graphs in (False, True):

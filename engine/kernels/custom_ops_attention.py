@@ -78,7 +78,7 @@ def _mla_decode_op(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_mla_decode.gluon_config(q.shape[1]) if gluon else None,
+        config=_mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len) if gluon else None,
     )
 
 
@@ -215,7 +215,7 @@ def mla_decode(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_mla_decode.gluon_config(q.shape[1]) if gluon else None,
+        config=_mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len) if gluon else None,
     )
 
 

@@ -433,6 +433,9 @@ class MLADecodeConfig(NamedTuple):
     # the Triton kernel). q_residual picks one or two e4m3 terms of q; the other flags are
     # the Triton kernel's.
     gluon: int = 0
+    # With gluon: the tokens of one fp16 V ring slot (64, 32 or 16: a tile's V in 1, 2 or 4
+    # slots, PV run and each slot released a slot at a time).
+    v_rows: int = 64
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -478,13 +481,25 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
     return MLADecodeConfig(64, 64, 8, 2, 1.0, 128)
 
 
-def gluon_config(num_heads: int) -> MLADecodeConfig:
-    """The warp-specialized Gluon kernel for FP8 caches (sm_90, `mla_decode_gluon`): 2 e4m3 and
-    2 fp16 V tiles in flight, q as two e4m3 terms, one program an SM (run AJ's best). Its tile
-    shape is the kernel's own (`_launch` sets it); the Triton fields serve a GPU it misses."""
-    return default_config(num_heads, True)._replace(
+# With this many tokens of work a call (batch x the longest context) or more, the Gluon kernel
+# takes 3 e4m3 tiles and V in 3 slots of 32 tokens (perf/RESULTS.md, run AK).
+GLUON_DEEP_RING_TOKENS = 128 * 1024
+
+
+def gluon_config(num_heads: int, batch: int, max_seq_len: int) -> MLADecodeConfig:
+    """The warp-specialized Gluon kernel for FP8 caches (sm_90, `mla_decode_gluon`), q as two
+    e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
+    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones. Its tile shape is the kernel's
+    own (`_launch` sets it); the Triton fields serve a GPU it misses."""
+    cfg = default_config(num_heads, True)._replace(
         num_stages=2, waves=1.0, q_residual=True, gluon=2
     )
+    if batch * max_seq_len >= GLUON_DEEP_RING_TOKENS:
+        # NOTE: a 32-token V slot is released after half of PV, so that the converter
+        # refills it during the rest; the smaller V ring leaves room for a third e4m3 tile
+        # (224 KB, `perf/gluon_census.py`): 1.02-1.05x at batch >= 64 (run AK).
+        cfg = cfg._replace(num_stages=3, gluon=3, v_rows=32)
+    return cfg
 
 
 def _launch(
@@ -564,7 +579,7 @@ def _launch(
         assert k_scale is not None
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
-            page_size, cfg.num_stages, cfg.gluon, cfg.q_residual,
+            page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual,
         )  # fmt: skip
     else:
         launch(

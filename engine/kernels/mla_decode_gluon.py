@@ -111,26 +111,31 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
 
 @gluon.jit
 def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty):
-    """Four warps: per tile, the e4m3 latent turned into the fp16 V ring slot; the e4m3 slot is
-    released (with the attention partition's QK) and the V slot signalled."""
+    """Four warps: per tile, the e4m3 latent turned into fp16 V ring slots of V_ROWS rows each
+    (a slot signalled as soon as it is written); the e4m3 slot is then released (with the
+    attention partition's QK)."""
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
+    V_ROWS: gl.constexpr = v_ring.shape[1]
+    CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     # NOTE: 8 bytes a thread, so that its fp16 copy is one 16-byte store: `gl.bank_conflicts`
     # (Triton 3.6) counts no excess wavefronts for the load and the store, against two
     # accesses a store wavefront with 16 bytes a thread (32-byte fp16 stores).
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
-        t = i % V_STAGES
         mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
-        mbarrier.wait(v_empty.index(t), ((i // V_STAGES) & 1) ^ 1)
-        for r0 in gl.static_range(0, BLOCK_N, CONVERT_ROWS):
-            x = lat_ring.index(s).slice(r0, CONVERT_ROWS).load(layout)
-            v_ring.index(t).slice(r0, CONVERT_ROWS).store(x.to(gl.float16))
-        # Every warp's stores reach the async proxy (the wgmma) before one thread signals.
-        fence_async_shared()
-        _barrier()
-        mbarrier.arrive(v_ready.index(t))
+        for j in gl.static_range(CHUNKS):
+            g = i * CHUNKS + j
+            t = g % V_STAGES
+            mbarrier.wait(v_empty.index(t), ((g // V_STAGES) & 1) ^ 1)
+            for r0 in gl.static_range(0, V_ROWS, CONVERT_ROWS):
+                x = lat_ring.index(s).slice(j * V_ROWS + r0, CONVERT_ROWS).load(layout)
+                v_ring.index(t).slice(r0, CONVERT_ROWS).store(x.to(gl.float16))
+            # Every warp's stores reach the async proxy (the wgmma) before one thread signals.
+            fence_async_shared()
+            _barrier()
+            mbarrier.arrive(v_ready.index(t))
         mbarrier.arrive(kv_empty.index(s))
 
 
@@ -164,6 +169,8 @@ def _attend(q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
+    CHUNKS: gl.constexpr = BLOCK_N // v_ring.shape[1]
+    V_ROWS: gl.constexpr = v_ring.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
     )
@@ -207,14 +214,21 @@ def _attend(q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
         p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         _barrier()
-        t = i % V_STAGES
-        mbarrier.wait(v_ready.index(t), (i // V_STAGES) & 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        acc = warpgroup_mma(
-            v_ring.index(t).permute((1, 0)), p_s.permute((1, 0)), acc, is_async=True
-        )
+        # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
+        # the ones before it are done, so that the converter can refill it during the rest.
+        for j in gl.static_range(CHUNKS):
+            g = i * CHUNKS + j
+            mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
+            p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
+            v_j = v_ring.index(g % V_STAGES)
+            acc = warpgroup_mma(v_j.permute((1, 0)), p_j.permute((1, 0)), acc, is_async=True)
+            if j > 0:
+                # (QK's group, issued first, is done too; its result is taken below.)
+                warpgroup_mma_wait(1, deps=(next_sq,))
+                mbarrier.arrive(v_empty.index((g - 1) % V_STAGES))
         sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
-        mbarrier.arrive(v_empty.index(t))
+        mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
     offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
@@ -273,7 +287,7 @@ def mla_decode_fp8_ws_kernel(
     num_heads, num_splits,
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-    Q_RESIDUAL: gl.constexpr,
+    V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr,
 ):  # fmt: skip
     hg = gl.program_id(0)
     split = gl.program_id(1)
@@ -311,7 +325,7 @@ def mla_decode_fp8_ws_kernel(
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], f16_128)
     lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
     pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
-    v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, BLOCK_N, C], f16_128)
+    v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, V_ROWS, C], f16_128)
     fence_async_shared()
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -374,6 +388,7 @@ def launch_stage1(
     page_size: int,
     stages: int,
     v_stages: int,
+    v_rows: int,
     q_residual: bool,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
@@ -388,5 +403,5 @@ def launch_stage1(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
-        V_STAGES=v_stages, Q_RESIDUAL=q_residual, num_warps=4,
+        V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, num_warps=4,
     )  # fmt: skip

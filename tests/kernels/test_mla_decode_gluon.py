@@ -32,8 +32,12 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _gluon(stages: int = 2, v_stages: int = 2, q_residual: bool = True) -> MLADecodeConfig:
-    return MLADecodeConfig(16, 64, 4, stages, 1.0, 128, q_residual=q_residual, gluon=v_stages)
+def _gluon(
+    stages: int = 2, v_stages: int = 2, q_residual: bool = True, v_rows: int = 64
+) -> MLADecodeConfig:
+    return MLADecodeConfig(
+        16, 64, 4, stages, 1.0, 128, q_residual=q_residual, gluon=v_stages, v_rows=v_rows
+    )
 
 
 def _pool(seq_lens: list[int], heads: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -90,15 +94,25 @@ def test_gluon_matches_reference(seq_lens: list[int], heads: int, splits: int | 
         assert _rel_err(out, ref) < _rel_err(one_term, ref)
 
 
-@pytest.mark.parametrize("stages,v_stages", [(2, 1), (3, 1), (2, 2)])
-def test_gluon_ring_depths_agree(stages: int, v_stages: int) -> None:
-    """The ring depths change only the overlap: the same sums in the same order."""
+@pytest.mark.parametrize(
+    "stages,v_stages,v_rows,q_residual",
+    [
+        (2, 1, 64, True),
+        (3, 1, 64, True),
+        (2, 2, 64, True),
+        (3, 3, 32, True),
+        (4, 3, 16, True),
+        # (4 e4m3 tiles and 2 V slots of 32 fit only with q as one term: 233 KB with two.)
+        (4, 2, 32, False),
+    ],
+)
+def test_gluon_ring_depths_agree(stages: int, v_stages: int, v_rows: int, q_residual: bool) -> None:
+    """The ring depths and V slot size change only the overlap: the same products, accumulated
+    in the same order (PV's k-steps of 16 tokens run in token order however the slots cut)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([700, 90], 16, seed=5)
     args = (q, kv8, req_to_token, rows, lens, C, 0.05)
-    outs = [
-        mla_decode(*args, k_scale=k_scale, num_kv_splits=2, config=cfg)
-        for cfg in (_gluon(), _gluon(stages, v_stages))
-    ]
+    cfgs = (_gluon(q_residual=q_residual), _gluon(stages, v_stages, q_residual, v_rows))
+    outs = [mla_decode(*args, k_scale=k_scale, num_kv_splits=2, config=cfg) for cfg in cfgs]
     assert torch.equal(outs[0], outs[1])
 
 

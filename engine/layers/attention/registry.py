@@ -10,11 +10,12 @@ from engine.mem_cache.kv_pool import KVPool, MLATokenToKVPool
 
 
 def make_attention_backend(
-    name: str, kv_pool: KVPool, device: torch.device, mla_decode_kernel: str = "triton"
+    name: str, kv_pool: KVPool, device: torch.device, mla_decode_kernel: str = "auto"
 ) -> AttentionBackend:
     """ "auto": Triton kernels on CUDA, the torch-native reference elsewhere.
-    `mla_decode_kernel` "gluon" (`EngineConfig.mla_decode_kernel`) is checked against the pool
-    and the GPU here, so that a setting that cannot run is refused at start."""
+    `mla_decode_kernel` (`EngineConfig.mla_decode_kernel`) "gluon" is checked against the pool
+    and the GPU here, so that a setting that cannot run is refused at start; "auto" takes the
+    Gluon kernel wherever that check passes."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
@@ -22,6 +23,12 @@ def make_attention_backend(
     gluon = mla_decode_kernel == "gluon"
     if gluon:
         _check_gluon_decode(name, kv_pool, device)
+    elif mla_decode_kernel == "auto":
+        try:
+            _check_gluon_decode(name, kv_pool, device)
+            gluon = True
+        except ConfigError:
+            gluon = False
     if name == "triton":
         from engine.layers.attention.triton_backend import TritonBackend
 
