@@ -13,15 +13,19 @@ that hand tiles to each other through shared-memory rings guarded by mbarriers:
   the tokens; PV as fp16 wgmmas with the latent as M (O^T [C, 16 heads] += V^T P^T), V^T read
   from the fp16 copy in place (a 16-bit operand may be MN-major).
 
-q is quantized to e4m3 per (request, head group) before the partitions start, as one term or,
-with Q_RESIDUAL, as two (q and 16x its rounding error), so that the error stays that of the
-cache's own rounding. The splits' outputs and log-sum-exps are those of the Triton kernel
-(`store_split`), merged by `merge_splits`.
+The attention partition first quantizes q to e4m3 per (request, head group), while the
+loader's first gathers are in flight, as one term or, with Q_RESIDUAL, as two (q and 16x its
+rounding error), so that the error stays that of the cache's own rounding. The splits' outputs
+and log-sum-exps are those of the Triton kernel (`store_split`), merged by `merge_splits`.
+The fp16 V ring may be cut into slots of V_ROWS tokens, each released once its part of PV is
+done, which leaves room for a third e4m3 tile (`mla_decode.gluon_config` takes that form for
+large calls).
 
-Measured on an H200 (perf/RESULTS.md, run AJ): 1.02-1.10x the Triton kernel at page size 1 at
-batch 16 and above, 0.92-1.00x at batch 1 and at batch 16 ctx 1K, 0.70-0.95x FlashMLA's
-FP8 kernel; the fp16 copy of V and PV cost about a third of the time, the e4m3 loads alone run
-at 3.4-4.0 TB/s. So it is opt-in (`MLADecodeConfig(..., gluon=2)`), not the default.
+Measured on an H200 (perf/RESULTS.md, run AK): 1.13-1.27x the Triton kernel at page size 1 at
+batch 16 and above past batch 16 ctx 1K, 0.96-0.98x at batch 1 ctx <= 4K and batch 16 ctx 1K,
+0.91-1.05x FlashMLA's FP8 kernel at batch >= 16 (0.73-0.76x at batch 1), with the Triton
+kernel's error. The engine takes it by default where it serves (`EngineConfig.
+mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for it in a direct call.
 
 Gluon kernels compile for the GPU only (there is no interpreter): CPU runs use the Triton
 kernel, and `tests/kernels/test_mla_decode_gluon.py` checks this one against the torch
@@ -160,12 +164,18 @@ def _combine_terms(sq, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
-            kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
-            start, end, scale, out_scale, num_heads,
+def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring, pe_ring,
+            v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
+            start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):  # fmt: skip
-    """One warp group: scores, online softmax and PV per tile; then the split's output
-    (normalized, times out_scale) and log-sum-exp (log2 units), as `store_split` writes them."""
+    """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
+    then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
+    units), as `store_split` writes them."""
+    # NOTE: q is read and quantized here, not before the partitions start, so that the
+    # loader's first gathers are in flight while q loads.
+    q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s)
+    out_scale = gl.load(k_scale_ptr)
+    scale = qk_scale * out_scale / q_mul
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
@@ -259,12 +269,37 @@ def _load_q(q_base, rows, mask_h, col0, WIDTH: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _store_q(x, q_mul, dst, Q_RESIDUAL: gl.constexpr):
-    """x * q_mul in e4m3 into dst; with Q_RESIDUAL the rows from BLOCK_H on (x's rows again)
-    hold 16x the first rows' rounding error instead."""
+def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s):
+    """q of the head group in e4m3 into q_s / q_pe_s (the QK wgmma's B), one scale for its
+    heads; returns that scale (448 / max |q|). With 2 x BLOCK_H rows the second BLOCK_H hold
+    q's second term. The calling partition's warps share the work and then the fence."""
+    C: gl.constexpr = q_s.shape[1]
+    R: gl.constexpr = q_pe_s.shape[1]
+    Q_ROWS: gl.constexpr = q_s.shape[0]
+    lat_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
+    )
+    heads_l = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, lat_layout)) % BLOCK_H
+    heads_p = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, pe_layout)) % BLOCK_H
+    q_lat, amax_lat = _load_q(q_base, heads_l * stride_qh, heads_l < num_heads, 0, C, lat_layout)
+    q_pe, amax_pe = _load_q(q_base, heads_p * stride_qh, heads_p < num_heads, C, R, pe_layout)
+    q_mul = 448.0 / gl.maximum(gl.maximum(amax_lat, amax_pe), 1e-30)
+    _store_q(q_lat, q_mul, q_s)
+    _store_q(q_pe, q_mul, q_pe_s)
+    # The stores reach the async proxy (the wgmma) before any warp of the group issues one.
+    fence_async_shared()
+    _barrier()
+    return q_mul
+
+
+@gluon.jit
+def _store_q(x, q_mul, dst):
+    """x * q_mul in e4m3 into dst; with 2 x BLOCK_H rows (x's rows again) the rows from
+    BLOCK_H on hold 16x the first rows' rounding error instead."""
     y = x * q_mul
     y8 = y.to(gl.float8e4nv)
-    if Q_RESIDUAL:
+    if x.shape[0] == 2 * BLOCK_H:
         res8 = ((y - y8.to(gl.float32)) * 16.0).to(gl.float8e4nv)
         second = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, x.type.layout)) >= BLOCK_H
         y8 = gl.where(second[:, None], res8, y8)
@@ -297,31 +332,17 @@ def mla_decode_fp8_ws_kernel(
     )
     table_row = table_ptr + row * stride_table
 
-    # q of the head group in e4m3 (one scale for its heads), in shared memory as the wgmma's B.
-    lat_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    pe_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
-    )
     # NOTE: with Q_RESIDUAL q's two terms are the stacked rows of one operand [32, C + R]
     # (terms of head h in rows h and 16 + h): QK is one m64n32 wgmma chain, each tile read
     # once from shared memory.
     Q_ROWS: gl.constexpr = 2 * BLOCK_H if Q_RESIDUAL else BLOCK_H
     q_base = q_ptr + b.to(gl.int64) * stride_qb
-    heads_l = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, lat_layout)) % BLOCK_H
-    heads_p = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, pe_layout)) % BLOCK_H
-    q_lat, amax_lat = _load_q(q_base, heads_l * stride_qh, heads_l < num_heads, 0, C, lat_layout)
-    q_pe, amax_pe = _load_q(q_base, heads_p * stride_qh, heads_p < num_heads, C, R, pe_layout)
-    q_mul = 448.0 / gl.maximum(gl.maximum(amax_lat, amax_pe), 1e-30)
-    k_scale = gl.load(k_scale_ptr)
-    scale = qk_scale * k_scale / q_mul
 
     e4m3_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
     e4m3_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=R, element_bitwidth=8)
     f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
     q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
     q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
-    _store_q(q_lat, q_mul, q_s, Q_RESIDUAL)
-    _store_q(q_pe, q_mul, q_pe_s, Q_RESIDUAL)
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], f16_128)
     lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
     pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
@@ -344,9 +365,9 @@ def mla_decode_fp8_ws_kernel(
             (
                 _attend,
                 (
-                    q_s, q_pe_s, p_s, lat_ring, pe_ring, v_ring,
-                    kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
-                    start, end, scale, k_scale, num_heads,
+                    q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
+                    pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
+                    mid_lse_ptr, b, split, hg, start, end, num_heads,
                     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                 ),
             ),
