@@ -92,6 +92,16 @@ KV_OPTIONS: dict[str, dict[str, Any]] = {
     "fp8_triton": {"mla_decode_kernel": "triton"},
 }
 OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
+
+
+def decode_kernel(llm: LLM) -> str:
+    """What runs an engine's decode attention: its backend's class name, with the FP8 MLA
+    decode kernel where it is the Gluon one."""
+    backend = llm.core.runner.attn_backend
+    name = type(backend).__name__
+    return f"{name} (Gluon MLA decode)" if getattr(backend, "gluon_decode", False) else name
+
+
 COMPILE_EXPECTED_S = 240.0  # a compile engine beyond a plain engine's start (run E: 175 s + runs)
 # The compile engines' graphs and compiled sizes (1, 2, 4, 8, 16): batch 1 and 16 are measured,
 # and each compiled size costs start-up time.
@@ -745,6 +755,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     b1_context = args.prompt_len + args.b1_tokens // 2  # the mean context of the batch-1 run
     result["decode_ceiling_batch1_ms"] = 1e3 * bench.shape.decode_bytes(1, b1_context, 2, 2) / bw
     result.update(kv_tokens={}, batch1={}, runs=[], profile={}, skipped=[], errors={}, task_s={})
+    result["decode_kernel"] = {}
     save()
 
     kvs = [k for k in dict.fromkeys(args.kv.split(",")) if k in KV_DTYPES]  # in the order given
@@ -808,6 +819,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         took[f"{kv} engine"] = time.perf_counter() - t0
         try:
             result["kv_tokens"][kv] = llm.core.runner.max_total_tokens
+            result["decode_kernel"][kv] = decode_kernel(llm)
             graphs = getattr(llm.core.runner, "graph_runner", None) is not None
             ceil = bench.ceilings(llm, kv)
             name = f"graphs_{kv}" if graphs else f"default_{kv}"
@@ -920,6 +932,8 @@ def report(res: dict[str, Any]) -> str:
     kv = res["kv_tokens"]
     ratio = f" ({kv['fp8'] / kv['bf16']:.2f}x)" if "bf16" in kv and "fp8" in kv else ""
     lines.append("KV tokens: " + " | ".join(f"{k} {v:,}" for k, v in kv.items()) + ratio)
+    kernels = res.get("decode_kernel") or {}
+    lines.append("decode attention: " + " | ".join(f"{k} {v}" for k, v in kernels.items()))
     lines += [HEADER] + [row(r) for r in res["runs"]]
     for layers, c in (res.get("compile") or {}).items():
         if not c or "engine_s" not in c:
@@ -1184,7 +1198,15 @@ def run_isolated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         if not merged:
             merged = res
             continue
-        for key in ("kv_tokens", "batch1", "profile", "errors", "task_s", "compile"):
+        for key in (
+            "kv_tokens",
+            "decode_kernel",
+            "batch1",
+            "profile",
+            "errors",
+            "task_s",
+            "compile",
+        ):
             merged.setdefault(key, {}).update(res.get(key, {}))
         for key in ("runs", "skipped"):
             merged.setdefault(key, []).extend(res.get(key, []))

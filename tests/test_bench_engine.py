@@ -47,6 +47,8 @@ def test_tiny_cpu_run(tmp_path: Path) -> None:
     assert res["checkpoint"]["layers"] == 2 and not res["checkpoint"]["reused"]
     assert res["copy_bandwidth_Bps"] > 0
     assert set(res["kv_tokens"]) == {"bf16", "fp8"}
+    # On CPU the engines decode with the torch-native attention backend.
+    assert res["decode_kernel"] == {"bf16": "TorchNativeBackend", "fp8": "TorchNativeBackend"}
     assert {"default_bf16", "default_fp8", "eager_bf16", "compile_native_bf16"} <= set(
         res["batch1"]
     )
