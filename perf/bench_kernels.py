@@ -297,6 +297,13 @@ GLUON = [
     MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=4, v_rows=16),
     MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=2, v_rows=32),
 ]
+# The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
+# read by half as many programs; V in 32-token slots so that it fits).
+GLUON_128 = [
+    MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
+    MLADecodeConfig(32, 64, 4, 3, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
+    MLADecodeConfig(32, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
+]
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
 # halves, fp8_dots, q_residual, q_pairs).
 TUNE = {
@@ -350,12 +357,15 @@ TUNE = {
         M(64, 64, 8, 2, fp8_dots=True),
         M(64, 64, 8, 1, fp8_dots=True),
         M(64, 64, 8, 1, **PAIRS),
+        *GLUON_128,
     ],
+    (128, "ours_fp8_p1"): [M(64, 64, 8, 2), *GLUON_128],
 }
 
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
+    flags += (cfg.gluon_heads,)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

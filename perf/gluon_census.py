@@ -51,6 +51,7 @@ def compile_kernel(
     v_stages: int = 2,
     q_residual: bool = True,
     v_rows: int = 64,
+    heads: int = 16,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
     sig = {
@@ -61,7 +62,7 @@ def compile_kernel(
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
-        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual,
+        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads,
     }  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = list(sig)
@@ -81,8 +82,11 @@ def main() -> None:
     ap.add_argument("--v-stages", type=int, default=2)
     ap.add_argument("--v-rows", type=int, default=64, help="tokens of an fp16 V ring slot")
     ap.add_argument("--one-term", action="store_true", help="q as one e4m3 term")
+    ap.add_argument("--heads", type=int, default=16, help="heads a program (16 or 32)")
     args = ap.parse_args()
-    kernel = compile_kernel(args.page, args.stages, args.v_stages, not args.one_term, args.v_rows)
+    kernel = compile_kernel(
+        args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads
+    )
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
     print(

@@ -32,6 +32,8 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
         _flags(gluon_config(16, 1, 1024)),
         _flags(gluon_config(16, 128, 16384)),
         ["--page", "64", "--stages", "3", "--v-stages", "1"],
+        # 32 heads a program (`gluon_heads=32`): m64n64 QK, m64n32 PV.
+        ["--heads", "32", "--stages", "3", "--v-stages", "2", "--v-rows", "32"],
     ],
 )
 def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
@@ -42,8 +44,10 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     # QK over 576: chains of 18 k-steps of 32 (q's two terms stacked as N = 32; the first
     # tile's chain issued before the loop), PV: 8 M-blocks x 4 k-steps of 16 tokens, however
     # many V slots a tile is cut into.
-    assert counts["wgmma e4m3"] in (18, 36) and "m64n32k32" in out.stdout, out.stdout
-    assert counts["wgmma f16"] == 32, out.stdout
+    wide = "--heads" in flags  # 32 heads: N of 64 (two q terms) and 32
+    qk, pv = ("m64n64k32", "m64n32k16") if wide else ("m64n32k32", "m64n16k16")
+    assert counts["wgmma e4m3"] in (18, 36) and qk in out.stdout, out.stdout
+    assert counts["wgmma f16"] == 32 and pv in out.stdout, out.stdout
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
     assert counts["cvt e4m3x2"] >= 128, out.stdout  # 64 x 512 a tile over 128 threads, 2 a cvt
     assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout

@@ -436,6 +436,10 @@ class MLADecodeConfig(NamedTuple):
     # With gluon: the tokens of one fp16 V ring slot (64, 32 or 16: a tile's V in 1, 2 or 4
     # slots, PV run and each slot released a slot at a time).
     v_rows: int = 64
+    # With gluon: heads a program, 16 or 32 (N of its wgmmas; 32 halves the programs that
+    # read each tile at 128 heads, and needs V slots of 32 tokens to fit). 32 is opt-in and
+    # not yet timed.
+    gluon_heads: int = 16
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -541,9 +545,8 @@ def _launch(
         cfg = cfg._replace(gluon=0)
     gluon = is_fp8 and cfg.gluon > 0
     if gluon:
-        cfg = cfg._replace(
-            block_h=mla_decode_gluon.BLOCK_H.value, block_n=mla_decode_gluon.BLOCK_N.value
-        )
+        assert cfg.gluon_heads in (16, 32), f"gluon_heads is 16 or 32, got {cfg.gluon_heads}"
+        cfg = cfg._replace(block_h=cfg.gluon_heads, block_n=mla_decode_gluon.BLOCK_N.value)
     fp8_dots = is_fp8 and cfg.fp8_dots
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
     assert page_size == 1 or page_size % block_n == 0
@@ -579,7 +582,7 @@ def _launch(
         assert k_scale is not None
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
-            page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual,
+            page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
         )  # fmt: skip
     else:
         launch(

@@ -2,8 +2,8 @@
 
 The Triton kernel (`mla_decode._mla_decode_stage1`) converts each e4m3 V tile to fp16 in the
 same warps that run the MMAs and the softmax, so loading and converting set its time (perf/
-RESULTS.md, run AI). Here each program (head group of 16, split, request) runs three partitions
-that hand tiles to each other through shared-memory rings guarded by mbarriers:
+RESULTS.md, run AI). Here each program (head group of HEADS = 16, split, request) runs three
+partitions that hand tiles to each other through shared-memory rings guarded by mbarriers:
 
 - loader (1 warp): gathers each 64-token tile's rows by slot id with 16-byte cp.async into the
   e4m3 ring (latent [64, C] and RoPE [64, R] parts), masked rows zero-filled;
@@ -21,11 +21,14 @@ The fp16 V ring may be cut into slots of V_ROWS tokens, each released once its p
 done, which leaves room for a third e4m3 tile (`mla_decode.gluon_config` takes that form for
 large calls).
 
-Measured on an H200 (perf/RESULTS.md, run AK): 1.13-1.27x the Triton kernel at page size 1 at
-batch 16 and above past batch 16 ctx 1K, 0.96-0.98x at batch 1 ctx <= 4K and batch 16 ctx 1K,
-0.91-1.05x FlashMLA's FP8 kernel at batch >= 16 (0.73-0.76x at batch 1), with the Triton
-kernel's error. The engine takes it by default where it serves (`EngineConfig.
-mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for it in a direct call.
+HEADS = 32 (`MLADecodeConfig.gluon_heads`, for 128-head models: each tile read by half as many
+programs) compiles for sm_90 and fits with V in 32-token slots; it has not run on a GPU yet.
+
+Measured on an H200 (perf/RESULTS.md, run AL), page size 1: 1.08-1.15x the Triton kernel at
+batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batch >= 16
+(0.84-0.88x at batch 1), with the Triton kernel's error. The engine takes it by default where
+it serves (`EngineConfig.mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for
+it in a direct call.
 
 Gluon kernels compile for the GPU only (there is no interpreter): CPU runs use the Triton
 kernel, and `tests/kernels/test_mla_decode_gluon.py` checks this one against the torch
@@ -54,7 +57,7 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_N = gl.constexpr(64)  # tokens a tile: M of the QK wgmma
-BLOCK_H = gl.constexpr(16)  # heads a program: N of both wgmmas
+BLOCK_H = gl.constexpr(16)  # heads a program (the default; 32 with `heads=32`): N of both wgmmas
 CONVERT_ROWS = gl.constexpr(16)  # rows a converter step turns to fp16
 LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
@@ -151,12 +154,12 @@ def _issue_qk(lat, pe, q_s, q_pe_s, zero):
 
 
 @gluon.jit
-def _combine_terms(sq, s_layout: gl.constexpr):
+def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
     """Scores [tokens, heads] from the QK chain's [tokens, q rows]: with q's two terms stacked
     (rows h and 16 + h) the first plus the second / 16; a thread holds both (registers j and
     j + 2 of the m64n32 accumulator), so the split moves no data."""
-    if sq.shape[1] == 2 * BLOCK_H:
-        main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, BLOCK_H]), (0, 2, 1)))
+    if sq.shape[1] == 2 * HEADS:
+        main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, HEADS]), (0, 2, 1)))
         qk = gl.convert_layout(main + res * (1.0 / 16.0), s_layout)
     else:
         qk = sq
@@ -173,7 +176,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     units), as `store_split` writes them."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
-    q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s)
+    HEADS: gl.constexpr = p_s.shape[0]
+    q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS)
     out_scale = gl.load(k_scale_ptr)
     scale = qk_scale * out_scale / q_mul
     C: gl.constexpr = lat_ring.shape[2]
@@ -182,14 +186,14 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     CHUNKS: gl.constexpr = BLOCK_N // v_ring.shape[1]
     V_ROWS: gl.constexpr = v_ring.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16]
     )
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, s_layout))
-    acc = gl.zeros([C, BLOCK_H], gl.float32, o_layout)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([C, HEADS], gl.float32, o_layout)
     Q_ROWS: gl.constexpr = q_s.shape[0]
     sq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, 32]
@@ -213,7 +217,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
         fence_async_shared()
         next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
-        qk = _combine_terms(sq, s_layout)
+        qk = _combine_terms(sq, s_layout, HEADS)
         valid = start + i * BLOCK_N + offs_t < end
         qk = gl.where(valid[:, None], qk * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 0))
@@ -240,13 +244,13 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
         mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
-    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, s_layout))
+    offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
     if end > start:
         gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
         inv = gl.convert_layout(out_scale / l_i, gl.SliceLayout(0, o_layout))
         offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
-        offs_ho = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, o_layout))
+        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
             + split * stride_mos + offs_c[:, None]
@@ -254,7 +258,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         out = acc * inv[None, :]
         gl.store(o_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[None, :])
     else:
-        empty = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+        empty = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
         gl.store(lse_ptrs, empty, mask=offs_h < num_heads)
 
 
@@ -269,9 +273,9 @@ def _load_q(q_base, rows, mask_h, col0, WIDTH: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s):
+def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS: gl.constexpr):
     """q of the head group in e4m3 into q_s / q_pe_s (the QK wgmma's B), one scale for its
-    heads; returns that scale (448 / max |q|). With 2 x BLOCK_H rows the second BLOCK_H hold
+    heads; returns that scale (448 / max |q|). With 2 x HEADS rows the second HEADS hold
     q's second term. The calling partition's warps share the work and then the fence."""
     C: gl.constexpr = q_s.shape[1]
     R: gl.constexpr = q_pe_s.shape[1]
@@ -280,13 +284,13 @@ def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s):
     pe_layout: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
     )
-    heads_l = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, lat_layout)) % BLOCK_H
-    heads_p = hg * BLOCK_H + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, pe_layout)) % BLOCK_H
+    heads_l = hg * HEADS + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, lat_layout)) % HEADS
+    heads_p = hg * HEADS + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, pe_layout)) % HEADS
     q_lat, amax_lat = _load_q(q_base, heads_l * stride_qh, heads_l < num_heads, 0, C, lat_layout)
     q_pe, amax_pe = _load_q(q_base, heads_p * stride_qh, heads_p < num_heads, C, R, pe_layout)
     q_mul = 448.0 / gl.maximum(gl.maximum(amax_lat, amax_pe), 1e-30)
-    _store_q(q_lat, q_mul, q_s)
-    _store_q(q_pe, q_mul, q_pe_s)
+    _store_q(q_lat, q_mul, q_s, HEADS)
+    _store_q(q_pe, q_mul, q_pe_s, HEADS)
     # The stores reach the async proxy (the wgmma) before any warp of the group issues one.
     fence_async_shared()
     _barrier()
@@ -294,14 +298,14 @@ def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s):
 
 
 @gluon.jit
-def _store_q(x, q_mul, dst):
-    """x * q_mul in e4m3 into dst; with 2 x BLOCK_H rows (x's rows again) the rows from
-    BLOCK_H on hold 16x the first rows' rounding error instead."""
+def _store_q(x, q_mul, dst, HEADS: gl.constexpr):
+    """x * q_mul in e4m3 into dst; with 2 x HEADS rows (x's rows again) the rows from
+    HEADS on hold 16x the first rows' rounding error instead."""
     y = x * q_mul
     y8 = y.to(gl.float8e4nv)
-    if x.shape[0] == 2 * BLOCK_H:
+    if x.shape[0] == 2 * HEADS:
         res8 = ((y - y8.to(gl.float32)) * 16.0).to(gl.float8e4nv)
-        second = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, x.type.layout)) >= BLOCK_H
+        second = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, x.type.layout)) >= HEADS
         y8 = gl.where(second[:, None], res8, y8)
     dst.store(y8)
 
@@ -322,7 +326,7 @@ def mla_decode_fp8_ws_kernel(
     num_heads, num_splits,
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-    V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr,
+    V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
 ):  # fmt: skip
     hg = gl.program_id(0)
     split = gl.program_id(1)
@@ -332,10 +336,10 @@ def mla_decode_fp8_ws_kernel(
     )
     table_row = table_ptr + row * stride_table
 
-    # NOTE: with Q_RESIDUAL q's two terms are the stacked rows of one operand [32, C + R]
-    # (terms of head h in rows h and 16 + h): QK is one m64n32 wgmma chain, each tile read
-    # once from shared memory.
-    Q_ROWS: gl.constexpr = 2 * BLOCK_H if Q_RESIDUAL else BLOCK_H
+    # NOTE: with Q_RESIDUAL q's two terms are the stacked rows of one operand
+    # [2 x HEADS, C + R] (terms of head h in rows h and HEADS + h): QK is one m64n32 (m64n64
+    # at 32 heads) wgmma chain, each tile read once from shared memory.
+    Q_ROWS: gl.constexpr = 2 * HEADS if Q_RESIDUAL else HEADS
     q_base = q_ptr + b.to(gl.int64) * stride_qb
 
     e4m3_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
@@ -343,7 +347,7 @@ def mla_decode_fp8_ws_kernel(
     f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
     q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
     q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
-    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], f16_128)
+    p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
     lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
     pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
     v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, V_ROWS, C], f16_128)
@@ -411,12 +415,13 @@ def launch_stage1(
     v_stages: int,
     v_rows: int,
     q_residual: bool,
+    heads: int = BLOCK_H.value,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
     output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
-    grid = (triton.cdiv(num_heads, BLOCK_H.value), mid_lse.shape[2], batch)
+    grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
     launch(
         mla_decode_fp8_ws_kernel, grid,
         q, kv, table, row_idx if row_idx is not None else seq_lens, seq_lens, mid_o, mid_lse,
@@ -424,5 +429,6 @@ def launch_stage1(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
-        V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, num_warps=4,
+        V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
+        HEADS=heads, num_warps=4,
     )  # fmt: skip

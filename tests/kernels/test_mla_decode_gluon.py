@@ -95,6 +95,26 @@ def test_gluon_matches_reference(seq_lens: list[int], heads: int, splits: int | 
 
 
 @pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [([37, 300], 32, None), ([130, 7], 128, 3), ([3, 200], 40, 8), ([1], 16, None)],
+)
+def test_gluon_32_heads_a_program(seq_lens: list[int], heads: int, splits: int | None) -> None:
+    """`gluon_heads=32` (m64n64 QK, m64n32 PV): the torch reference's answer and the 16-head
+    form's error; 40 heads leave the second group mostly masked, 16 heads half of the one."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=heads)
+    scale = (C + R) ** -0.5
+    args = (q, kv8, req_to_token, rows, lens, C, scale)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    cfg = _gluon(3, 2, v_rows=32)._replace(gluon_heads=32)
+    out = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
+    base = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=_gluon())
+    assert out.shape == (len(seq_lens), heads, C) and torch.isfinite(out.float()).all()
+    assert _rel_err(out, ref) < 2e-2
+    # The same products over the same q terms: only the heads' grouping differs.
+    assert _rel_err(out, base) < 1e-2
+
+
+@pytest.mark.parametrize(
     "stages,v_stages,v_rows,q_residual",
     [
         (2, 1, 64, True),
