@@ -286,7 +286,7 @@ PAIRS = {"fp8_dots": True, "q_residual": True, "q_pairs": True}
 # flight, q as two e4m3 terms or one. Run AJ also timed 3 e4m3 tiles with one V tile (1.17x
 # slower: the converter then waits on PV) and 2 loader warps (1.02-1.04x slower).
 # v_rows splits a tile's fp16 V into slots of that many tokens, so that the e4m3 ring can be
-# deeper in the same shared memory (perf/gluon_census.py: all of these fit, no spills).
+# deeper in the same shared memory (perf/gluon_census.py: all of these fit).
 GLUON = [
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
     MLADecodeConfig(16, 64, 4, 2, 2.0, 128, q_residual=True, gluon=2),

@@ -3,7 +3,8 @@
 `engine.kernels.mla_decode_gluon` is a warp-specialized kernel: a loader warp gathering tiles
 with cp.async into an mbarrier ring, converter warps, and one warp group running e4m3 and fp16
 wgmmas. Gluon has no interpreter, so CPU machines can only compile it; this prints what the
-compiler made of it for sm_90 (instruction counts, shared memory, spills). Use the GPU's Triton
+compiler made of it for sm_90 (instruction counts, shared memory, and the register spills of
+Triton's own ptxas). Use the GPU's Triton
 (3.6) to see what it would run there:
 
     PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py [--page 64] [--stages 3]
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,24 @@ def compile_kernel(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def ptxas_spill_bytes(ptx: str) -> int | None:
+    """The bytes ptxas (Triton's own, sm_90a) spills to local memory for this PTX: register
+    spills show only there, not in the PTX. None where this Triton has no such ptxas."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        path = get_ptxas(90).path
+    except Exception:  # noqa: BLE001 (an older Triton: another name, or no ptxas)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    found = re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)
+    return max(int(n) for n in found) if found else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--page", type=int, default=1)
@@ -96,6 +117,8 @@ def main() -> None:
     for name, pattern in PATTERNS.items():
         found = re.findall(pattern, ptx)
         print(f"  {name}: {len(found)} {sorted(set(found))[:4]}")
+    spills = ptxas_spill_bytes(ptx)
+    print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The Gluon FP8 MLA decode kernel compiles for sm_90 on any machine (perf/gluon_census.py):
 the loader's gathers signal their mbarrier, QK stays an e4m3 wgmma and PV an fp16 one, the
-partitions get their own register budgets, nothing spills, and the rings fit in shared memory.
+partitions get their own register budgets, ptxas spills no more than the measured forms do,
+and the rings fit in shared memory.
 Its results are checked on a Hopper GPU (tests/kernels/test_mla_decode_gluon.py). It runs in a
 process of its own: Gluon kernels are compiled, never interpreted."""
 
@@ -51,5 +52,13 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
     assert counts["cvt e4m3x2"] >= 128, out.stdout  # 64 x 512 a tile over 128 threads, 2 a cvt
     assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    # Register spills show only in ptxas's report (Triton's own, sm_90a; Triton 3.9 here):
+    # 16 bytes for the 16-head forms at page size 1; 48-120 paged (the loader's page
+    # arithmetic at 80 registers); 200 for 32 heads a program (its [512, 32] accumulator is
+    # 128 registers a thread). A change that spills more shows here.
+    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
+    limit = 256 if "--heads" in flags else 128 if "--page" in flags else 32
+    if spills != "n/a":
+        assert int(spills) <= limit, out.stdout
     shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
     assert shared_kb <= H200_SHARED_KB, out.stdout
