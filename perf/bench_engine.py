@@ -93,15 +93,6 @@ KV_OPTIONS: dict[str, dict[str, Any]] = {
 }
 OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.enable_overlap
 
-
-def decode_kernel(llm: LLM) -> str:
-    """What runs an engine's decode attention: its backend's class name, with the FP8 MLA
-    decode kernel where it is the Gluon one."""
-    backend = llm.core.runner.attn_backend
-    name = type(backend).__name__
-    return f"{name} (Gluon MLA decode)" if getattr(backend, "gluon_decode", False) else name
-
-
 COMPILE_EXPECTED_S = 240.0  # a compile engine beyond a plain engine's start (run E: 175 s + runs)
 # The compile engines' graphs and compiled sizes (1, 2, 4, 8, 16): batch 1 and 16 are measured,
 # and each compiled size costs start-up time.
@@ -309,6 +300,14 @@ class StepTimer:
         self._window = None
         self._profiled_left = count
         return True
+
+
+def decode_kernel(llm: LLM) -> str:
+    """What runs an engine's decode attention: its backend's class name, with the FP8 MLA
+    decode kernel where it is the Gluon one."""
+    backend = llm.core.runner.attn_backend
+    name = type(backend).__name__
+    return f"{name} (Gluon MLA decode)" if getattr(backend, "gluon_decode", False) else name
 
 
 def _record(

@@ -29,7 +29,7 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
 @pytest.mark.parametrize(
     "flags",
     [
-        # The engine's picks (a small call and a large one), and the deepest e4m3 ring.
+        # The engine's picks (a small call and a large one), and paged with 3 e4m3 tiles + 1 V.
         _flags(gluon_config(16, 1, 1024)),
         _flags(gluon_config(16, 128, 16384)),
         ["--page", "64", "--stages", "3", "--v-stages", "1"],

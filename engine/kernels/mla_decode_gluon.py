@@ -156,8 +156,8 @@ def _issue_qk(lat, pe, q_s, q_pe_s, zero):
 @gluon.jit
 def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
     """Scores [tokens, heads] from the QK chain's [tokens, q rows]: with q's two terms stacked
-    (rows h and 16 + h) the first plus the second / 16; a thread holds both (registers j and
-    j + 2 of the m64n32 accumulator), so the split moves no data."""
+    (rows h and HEADS + h) the first plus the second / 16; at 16 heads a thread holds both
+    (registers j and j + 2 of the m64n32 accumulator), so the split moves no data."""
     if sq.shape[1] == 2 * HEADS:
         main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, HEADS]), (0, 2, 1)))
         qk = gl.convert_layout(main + res * (1.0 / 16.0), s_layout)

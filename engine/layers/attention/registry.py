@@ -20,15 +20,10 @@ def make_attention_backend(
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch_native"
-    gluon = mla_decode_kernel == "gluon"
-    if gluon:
-        _check_gluon_decode(name, kv_pool, device)
-    elif mla_decode_kernel == "auto":
-        try:
-            _check_gluon_decode(name, kv_pool, device)
-            gluon = True
-        except ConfigError:
-            gluon = False
+    refusal = _gluon_decode_refusal(name, kv_pool, device)
+    if mla_decode_kernel == "gluon" and refusal:
+        raise ConfigError(refusal)
+    gluon = mla_decode_kernel in ("gluon", "auto") and refusal is None
     if name == "triton":
         from engine.layers.attention.triton_backend import TritonBackend
 
@@ -38,20 +33,21 @@ def make_attention_backend(
     return TorchNativeBackend(kv_pool)
 
 
-def _check_gluon_decode(backend: str, kv_pool: KVPool, device: torch.device) -> None:
-    """mla_decode_kernel="gluon" needs the Triton backend, an MLA model's FP8 latent pool and a
-    GPU and shapes the Gluon kernel serves (`mla_decode_gluon.fits`)."""
-    from engine.kernels import mla_decode_gluon
-
+def _gluon_decode_refusal(backend: str, kv_pool: KVPool, device: torch.device) -> str | None:
+    """Why the Gluon MLA decode kernel cannot run here, or None: it needs the Triton backend,
+    an MLA model's FP8 latent pool and a GPU and shapes it serves (`mla_decode_gluon.fits`)."""
     where = "mla_decode_kernel='gluon'"
     if not isinstance(kv_pool, MLATokenToKVPool) or not kv_pool.is_fp8:
-        raise ConfigError(f"{where} applies to MLA models (DeepSeek-V2/V3) with an FP8 cache")
+        return f"{where} applies to MLA models (DeepSeek-V2/V3) with an FP8 cache"
+    from engine.kernels import mla_decode_gluon
+
     rope = kv_pool.qk_rope_head_dim
     if not mla_decode_gluon.fits(device, kv_pool.kv_lora_rank, rope, kv_pool.page_size):
-        raise ConfigError(
+        return (
             f"{where} needs a Hopper GPU (sm_90; this is {device}), a latent of 256 or 512 and a "
             f"RoPE part of 32 or 64 (this model: {kv_pool.kv_lora_rank} and {rope}), and a page "
             f"size of 1 or a multiple of 64 (here {kv_pool.page_size})"
         )
     if backend != "triton":
-        raise ConfigError(f"{where} runs in the Triton attention backend, not {backend!r}")
+        return f"{where} runs in the Triton attention backend, not {backend!r}"
+    return None
