@@ -304,6 +304,8 @@ GLUON_128 = [
     MLADecodeConfig(32, 64, 4, 3, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
     MLADecodeConfig(32, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
 ]
+# The Gluon kernel of 64 heads a program over a bf16 pool (V split over two warp groups).
+GLUON_WIDE = MLADecodeConfig(64, 64, 4, 2, 1.0, 128, gluon=1)
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
 # halves, fp8_dots, q_residual, q_pairs).
 TUNE = {
@@ -351,7 +353,9 @@ TUNE = {
         M(64, 64, 8, 1),
         M(64, 64, 8, 2, halves=True),
         M(64, 32, 8, 2, halves=True),
+        GLUON_WIDE,
     ],
+    (128, "ours_bf16_p1"): [M(64, 64, 8, 2), GLUON_WIDE],
     (128, "ours_fp8"): [
         M(64, 64, 8, 2),
         M(64, 64, 8, 2, fp8_dots=True),

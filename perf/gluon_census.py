@@ -25,11 +25,12 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.kernels import mla_decode_gluon  # noqa: E402
+from engine.kernels import mla_decode_gluon, mla_decode_gluon_wide  # noqa: E402
 
 PATTERNS = {
     "wgmma e4m3": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.e4m3\.e4m3",
     "wgmma f16": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.f16\.f16",
+    "wgmma bf16": r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.bf16\.bf16",
     "cp.async 16B": r"cp\.async\.cg\.shared\.global",
     "cp.async arrive": r"cp\.async\.mbarrier\.arrive",
     "mbarrier wait": r"mbarrier\.try_wait",
@@ -67,10 +68,28 @@ def compile_kernel(
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads,
     }  # fmt: skip
+    return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
+
+
+def compile_wide(page_size: int = 1, stages: int = 2) -> Any:
+    """`mla_decode_wide_kernel` (64 heads a program, bf16 pool) as the engine launches it."""
+    sig = {
+        "q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i32", "row_idx_ptr": "*i64",
+        "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "qk_scale": "fp32",
+        **dict.fromkeys(_INTS, "i32"),
+    }  # fmt: skip
+    consts: dict[str, Any] = {
+        "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
+        "HAS_ROW_IDX": page_size == 1, "STAGES": stages,
+    }  # fmt: skip
+    return _compile(mla_decode_gluon_wide.mla_decode_wide_kernel, sig, consts)
+
+
+def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any]) -> Any:
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = list(sig)
     src = GluonASTSource(
-        fn=mla_decode_gluon.mla_decode_fp8_ws_kernel,
+        fn=fn,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in consts.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED},
@@ -104,10 +123,14 @@ def main() -> None:
     ap.add_argument("--v-rows", type=int, default=64, help="tokens of an fp16 V ring slot")
     ap.add_argument("--one-term", action="store_true", help="q as one e4m3 term")
     ap.add_argument("--heads", type=int, default=16, help="heads a program (16 or 32)")
+    ap.add_argument("--wide", action="store_true", help="the bf16 kernel of 64 heads a program")
     args = ap.parse_args()
-    kernel = compile_kernel(
-        args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads
-    )
+    if args.wide:
+        kernel = compile_wide(args.page, args.stages)
+    else:
+        kernel = compile_kernel(
+            args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads
+        )
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
     print(

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import mla_decode_gluon
+from engine.kernels import mla_decode_gluon, mla_decode_gluon_wide
 from engine.kernels.launch import launch
 from engine.kernels.small_gemm import small_gemm_wanted, small_matmul
 from engine.kernels.utils import (
@@ -431,14 +431,15 @@ class MLADecodeConfig(NamedTuple):
     # fp8 caches on Hopper: the warp-specialized Gluon kernel (`mla_decode_gluon`; block_h 16,
     # block_n 64, num_stages e4m3 tiles in flight) with this many fp16 V tiles in flight (0:
     # the Triton kernel). q_residual picks one or two e4m3 terms of q; the other flags are
-    # the Triton kernel's.
+    # the Triton kernel's. 16-bit caches of 64+ heads on Hopper: any nonzero value takes the
+    # Gluon kernel of 64 heads a program (`mla_decode_gluon_wide`, num_stages tiles in flight).
     gluon: int = 0
     # With gluon: the tokens of one fp16 V ring slot (64, 32 or 16: a tile's V in 1, 2 or 4
     # slots, PV run and each slot released a slot at a time).
     v_rows: int = 64
     # With gluon: heads a program, 16 or 32 (N of its wgmmas; 32 halves the programs that
-    # read each tile at 128 heads, and needs V slots of 32 tokens to fit). 32 is opt-in and
-    # not yet timed.
+    # read each tile at 128 heads, and needs V slots of 32 tokens to fit; `gluon_config` takes
+    # it for wide calls).
     gluon_heads: int = 16
 
 
@@ -488,6 +489,9 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
 # With this many tokens of work a call (batch x the longest context) or more, the Gluon kernel
 # takes 3 e4m3 tiles and V in 3 slots of 32 tokens (perf/RESULTS.md, run AK).
 GLUON_DEEP_RING_TOKENS = 128 * 1024
+# Query heads across the batch (batch x num_heads) from which the Gluon kernel takes 32 heads a
+# program (`gluon_config`).
+GLUON_WIDE_HEAD_ROWS = 1024
 
 
 def gluon_config(num_heads: int, batch: int, max_seq_len: int) -> MLADecodeConfig:
@@ -503,6 +507,11 @@ def gluon_config(num_heads: int, batch: int, max_seq_len: int) -> MLADecodeConfi
         # refills it during the rest; the smaller V ring leaves room for a third e4m3 tile
         # (224 KB, `perf/gluon_census.py`): 1.02-1.05x at batch >= 64 (run AK).
         cfg = cfg._replace(num_stages=3, gluon=3, v_rows=32)
+    if num_heads >= 32 and batch * num_heads >= GLUON_WIDE_HEAD_ROWS:
+        # NOTE: 32 heads a program halve the programs that read each tile: 1.34-1.54x the
+        # 16-head form at 128 heads, batch 16-128, ctx 4K; at batch 1 (4 programs) 0.78x
+        # (run AM). V in 32-token slots so that it fits, with 2 e4m3 tiles.
+        cfg = cfg._replace(block_h=32, num_stages=2, gluon=2, v_rows=32, gluon_heads=32)
     return cfg
 
 
@@ -543,6 +552,15 @@ def _launch(
             "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64, pages of 1 or 64k"
         )
         cfg = cfg._replace(gluon=0)
+    wide = not is_fp8 and cfg.gluon > 0
+    if wide and not mla_decode_gluon_wide.fits(q.device, num_heads, c, r, page_size):
+        assert config is None, (
+            "the bf16 Gluon kernel needs sm_90, 64+ heads, a latent of 512, RoPE 32/64, pages "
+            "of 1 or 64k"
+        )
+        cfg, wide = cfg._replace(gluon=0), False
+    if wide:
+        cfg = cfg._replace(block_h=mla_decode_gluon_wide.BLOCK_H.value, block_n=64)
     gluon = is_fp8 and cfg.gluon > 0
     if gluon:
         assert cfg.gluon_heads in (16, 32), f"gluon_heads is 16 or 32, got {cfg.gluon_heads}"
@@ -583,6 +601,11 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
+        )  # fmt: skip
+    elif wide:
+        mla_decode_gluon_wide.launch_stage1(
+            q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, page_size,
+            cfg.num_stages,
         )  # fmt: skip
     else:
         launch(

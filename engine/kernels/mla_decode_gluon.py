@@ -22,7 +22,8 @@ done, which leaves room for a third e4m3 tile (`mla_decode.gluon_config` takes t
 large calls).
 
 HEADS = 32 (`MLADecodeConfig.gluon_heads`, for 128-head models: each tile read by half as many
-programs) compiles for sm_90 and fits with V in 32-token slots; it has not run on a GPU yet.
+programs) fits with V in 32-token slots; `mla_decode.gluon_config` takes it for wide calls
+(1.34-1.54x the 16-head form at 128 heads, batch 16-128, run AM).
 
 Measured on an H200 (perf/RESULTS.md, run AL), page size 1: 1.08-1.15x the Triton kernel at
 batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batch >= 16
@@ -94,11 +95,13 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
 
     Eight lanes take a row's 128 bytes, 4 rows a step (against lane pairs on 32 bytes, 16 rows
     a step: 1.10x the loads' throughput on an H200, run AJ); a lane holds 16 of the tile's
-    slot ids, read one tile ahead so that the copies never wait on them."""
+    slot ids, read one tile ahead so that the copies never wait on them. The rings may hold
+    e4m3 or 16-bit elements (16 bytes a copy either way)."""
     C: gl.constexpr = lat_ring.shape[2]
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])
+    VEC: gl.constexpr = 128 // lat_ring.dtype.primitive_bitwidth
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [1, 1], [1, 0])
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))

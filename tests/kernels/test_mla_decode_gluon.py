@@ -14,6 +14,7 @@ from engine.kernels.mla_decode import (
     mla_decode,
     mla_decode_paged,
 )
+from engine.kernels.mla_decode_gluon_wide import BLOCK_H
 from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
 
 pytestmark = [
@@ -40,14 +41,15 @@ def _gluon(
     )
 
 
-def _pool(seq_lens: list[int], heads: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """An e4m3 pool with each request's tokens at random slots (slot 0, the padding sink, holds
-    large values: reading it would show), req_to_token rows in random order, bf16 q."""
+def _pool(seq_lens: list[int], heads: int, seed: int, fp8: bool = True) -> tuple[torch.Tensor, ...]:
+    """An e4m3 pool (bf16 with `fp8=False`) with each request's tokens at random slots (slot 0,
+    the padding sink, holds large values: reading it would show), req_to_token rows in random
+    order, bf16 q."""
     g = torch.Generator().manual_seed(seed)
     total = sum(seq_lens)
     kv = torch.randn(total + 9, 1, C + R, generator=g)
     kv[0] = 8.0
-    kv8 = quantize_fp8(kv, torch.tensor([K_SCALE]))
+    kv8 = quantize_fp8(kv, torch.tensor([K_SCALE])) if fp8 else kv.to(torch.bfloat16)
     max_reqs = len(seq_lens) + 2
     req_to_token = torch.zeros(max_reqs, max(seq_lens) + 3, dtype=torch.int32)
     slots = torch.randperm(total + 8, generator=g)[:total] + 1
@@ -178,3 +180,48 @@ def test_gluon_value_proj() -> None:
     ref = mla_decode_ref(q, kv8, req_to_token, rows, lens, C, 0.05, k_scale=k_scale)
     ref = torch.einsum("bhc,hcv->bhv", ref.float(), w.float())
     assert _rel_err(out, ref) < 2e-2
+
+
+# The bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`): V's columns split over two
+# warp groups, P handed from one to the other through shared memory.
+WIDE = MLADecodeConfig(BLOCK_H.value, 64, 4, 2, 1.0, 128, gluon=1)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [
+        ([1], 64, None),  # one token: one tile, 63 rows masked
+        ([37, 64, 65], 128, 1),  # one split (stage 1 writes the output); a tile edge
+        ([5, 1000, 17, 300], 128, None),  # mixed lengths, the default split count
+        ([3, 200], 80, 8),  # the second head group mostly masked; empty splits
+        ([4100], 64, 2),  # many tiles a split: the ring and the P hand-over wrap many times
+    ],
+)
+def test_gluon_wide_matches_reference(seq_lens: list[int], heads: int, splits: int | None) -> None:
+    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, heads, seed=heads, fp8=False)
+    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    ref = mla_decode_ref(*args)
+    out = mla_decode(*args, num_kv_splits=splits, config=WIDE)
+    assert out.shape == (len(seq_lens), heads, C) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out.float()).all()
+    # bf16 P and output against the fp32 reference.
+    assert _rel_err(out, ref) < 1e-2
+    triton_out = mla_decode(*args, num_kv_splits=splits, config=default_config(heads, False))
+    assert _rel_err(out, triton_out) < 1e-2
+
+
+def test_gluon_wide_paged() -> None:
+    """Pages of 64 with a block table, a request ending mid-page, the default split count."""
+    g = torch.Generator().manual_seed(4)
+    page, seq_lens, heads = 64, [1, 64, 130, 1000], 128
+    max_pages = (max(seq_lens) + page - 1) // page
+    num_pages = len(seq_lens) * max_pages + 1
+    cache = torch.randn(num_pages, page, 1, C + R, generator=g).to(torch.bfloat16)
+    block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
+    block_table = block_table.view(len(seq_lens), max_pages).int()
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, cache, block_table, lens = (t.cuda() for t in (q, cache, block_table, lens))
+    ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05)
+    out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=WIDE)
+    assert _rel_err(out, ref) < 1e-2

@@ -1,0 +1,306 @@
+"""MLA decode stage 1 for 64 heads a program (128-head models) over a 16-bit latent pool, as a
+warp-specialized Gluon kernel (sm_90) with V's columns split over two warp groups.
+
+At 128 heads the decode is bound by the tensor cores (241 FLOP a KV byte), and the Triton
+kernel reaches about a third of FlashMLA's rate (perf/RESULTS.md): its 64-head programs wait
+for every wgmma as soon as it is issued, and no warp loads while others compute. Here each
+program (64-head group, split, request) runs the work the way FlashMLA lays it out, in three
+partitions that hand tiles over through shared memory guarded by mbarriers:
+
+- loader (1 warp, `mla_decode_gluon._loader`): gathers each 64-token tile's rows by slot id
+  with 16-byte cp.async into a ring of 2 tiles (latent [64, C] and RoPE [64, R] parts);
+- softmax group (the default partition, one warp group): per tile QK^T as one m64n64 wgmma
+  chain (heads as M, q from shared memory), the online softmax, P and the rescale factor
+  handed to the other group, and PV for V's first C/2 columns (m64n256, P as A);
+- PV group (one warp group): rescales its accumulator and runs PV for the last C/2 columns.
+
+Each group holds a [64, C/2] fp32 accumulator (128 registers a thread at C = 512), which is
+why V is split: one warp group cannot hold [64, C]. q (72 KB), two tiles (144 KB) and P
+(8 KB) fill the Hopper SM's shared memory, so one program runs an SM.
+
+Gluon compiles for the GPU only: CPU runs use the Triton kernel, and
+`tests/kernels/test_mla_decode_gluon.py` checks this one against the torch reference on a
+Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from engine.kernels.launch import is_interpreter, launch
+from engine.kernels.mla_decode_gluon import BLOCK_N, _barrier, _loader, _n_tiles
+from engine.kernels.utils import split_bounds
+
+BLOCK_H = gl.constexpr(64)  # heads a program: M of every wgmma
+LOADER_WARPS = gl.constexpr(1)
+PV_WARPS = gl.constexpr(4)
+LOADER_REGS = gl.constexpr(80)
+PV_REGS = gl.constexpr(192)
+Q_ROWS_A_STEP = gl.constexpr(16)  # q rows the softmax group copies into shared memory a step
+
+
+@gluon.jit
+def _copy_q(q_base, stride_qh, hg, num_heads, dst, col0):
+    """q's columns [col0, col0 + width) of the head group into dst [BLOCK_H, width], heads
+    past num_heads as zeros, Q_ROWS_A_STEP rows at a time (few registers held)."""
+    WIDTH: gl.constexpr = dst.shape[1]
+    LANES_C: gl.constexpr = min(32, WIDTH // 8)  # lanes along a row, 8 elements (16 B) each
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 // LANES_C, LANES_C], [gl.num_warps(), 1], [1, 0]
+    )
+    offs_c = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    for r0 in gl.static_range(0, BLOCK_H, Q_ROWS_A_STEP):
+        heads = hg * BLOCK_H + r0 + gl.arange(0, Q_ROWS_A_STEP, layout=gl.SliceLayout(1, layout))
+        ptrs = q_base + heads[:, None] * stride_qh + offs_c[None, :]
+        x = gl.load(ptrs, mask=(heads < num_heads)[:, None], other=0.0)
+        dst.slice(r0, Q_ROWS_A_STEP).store(x)
+
+
+@gluon.jit
+def _store_half(mid_o_ptr, acc, inv, b, split, hg, num_heads, col0,
+                stride_mob, stride_moh, stride_mos):  # fmt: skip
+    """acc [BLOCK_H, C/2] times inv (per head) as the split's output columns from col0."""
+    layout: gl.constexpr = acc.type.layout
+    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    offs_c = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = (
+        mid_o_ptr + b.to(gl.int64) * stride_mob + offs_h[:, None] * stride_moh
+        + split * stride_mos + offs_c[None, :]
+    )  # fmt: skip
+    out = acc * gl.convert_layout(inv, gl.SliceLayout(1, layout))[:, None]
+    gl.store(ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_h < num_heads)[:, None])
+
+
+@gluon.jit
+def _softmax_group(q_base, stride_qh, qk_scale, q_s, q_pe_s, p_s, scale_s, lat_ring, pe_ring,
+                   kv_ready, kv_empty, p_ready, p_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
+                   start, end, num_heads,
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):  # fmt: skip
+    """One warp group: q into shared memory, then per tile the scores, the online softmax, P
+    and its rescale factor for the PV group, and PV over V's first half; then the split's
+    log-sum-exp (log2 units) and first output half, and 1 / l for the PV group's half."""
+    C: gl.constexpr = lat_ring.shape[2]
+    HALF: gl.constexpr = C // 2
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    # NOTE: q is copied here, not before the partitions start, so that the loader's first
+    # gathers are in flight meanwhile.
+    _copy_q(q_base, stride_qh, hg, num_heads, q_s, 0)
+    _copy_q(q_base, stride_qh, hg, num_heads, q_pe_s, C)
+    fence_async_shared()
+    _barrier()
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_tiles = _n_tiles(start, end)
+    for i in range(n_tiles):
+        s = i % STAGES
+        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+        # The ring is written by cp.async (the generic proxy), read by the wgmma (async).
+        fence_async_shared()
+        lat = lat_ring.index(s)
+        sq = warpgroup_mma(q_s, lat.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sq = warpgroup_mma(q_pe_s, pe_ring.index(s).permute((1, 0)), sq, is_async=True)
+        sq = warpgroup_mma_wait(0, deps=(sq,))
+        valid = start + i * BLOCK_N + offs_t < end
+        qk = gl.where(valid[None, :], sq * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # P and alpha are overwritten once the PV group is done with the last tile's.
+        mbarrier.wait(p_empty, (i & 1) ^ 1)
+        p_s.store(p.to(p_s.dtype))
+        scale_s.store(alpha)
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(p_ready)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_s, lat.slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(s))
+
+    inv = 1.0 / l_i
+    mbarrier.wait(p_empty, (n_tiles & 1) ^ 1)
+    scale_s.store(inv)
+    _barrier()
+    mbarrier.arrive(p_ready)
+    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+    lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
+    if end > start:
+        gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
+        _store_half(
+            mid_o_ptr, acc, inv, b, split, hg, num_heads, 0, stride_mob, stride_moh, stride_mos
+        )
+    else:
+        gl.store(lse_ptrs, m_i, mask=offs_h < num_heads)  # -inf: the split is empty
+
+
+@gluon.jit
+def _pv_group(p_s, scale_s, lat_ring, kv_empty, p_ready, p_empty, mid_o_ptr, b, split, hg,
+              start, end, num_heads, stride_mob, stride_moh, stride_mos):  # fmt: skip
+    """One warp group: per tile, its accumulator rescaled by the softmax group's factor and
+    PV over V's last half; then that output half, normalized by the 1 / l handed over."""
+    C: gl.constexpr = lat_ring.shape[2]
+    HALF: gl.constexpr = C // 2
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    n_tiles = _n_tiles(start, end)
+    for i in range(n_tiles):
+        s = i % STAGES
+        mbarrier.wait(p_ready, i & 1)
+        fence_async_shared()
+        alpha = scale_s.load(gl.SliceLayout(1, o_layout))
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_s, lat_ring.index(s).slice(HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(p_empty)
+        mbarrier.arrive(kv_empty.index(s))
+    mbarrier.wait(p_ready, n_tiles & 1)
+    if end > start:
+        inv = scale_s.load(gl.SliceLayout(1, o_layout))
+        _store_half(
+            mid_o_ptr, acc, inv, b, split, hg, num_heads, HALF, stride_mob, stride_moh, stride_mos
+        )
+
+
+@gluon.jit
+def mla_decode_wide_kernel(
+    q_ptr,  # [B, H, C + R], the cache's dtype
+    kv_ptr,  # [num_slots, C + R] bf16 or fp16 (row stride given)
+    table_ptr,  # [rows, cols] int32: slot ids per position (SLOT_TABLE) or page ids
+    row_idx_ptr,  # [B] table row per request (only when HAS_ROW_IDX)
+    seq_lens_ptr,  # [B]
+    mid_o_ptr,  # [B, H, S, C] fp32, or the output [B, H, 1, C] when S == 1
+    mid_lse_ptr,  # [B, H, S] fp32 (log2 units)
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh, stride_kv, stride_table,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    num_heads, num_splits,
+    C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
+    HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    hg = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    row, start, end = split_bounds(
+        seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
+    )
+    table_row = table_ptr + row * stride_table
+    q_base = q_ptr + b.to(gl.int64) * stride_qb
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+
+    lat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    pe_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=min(2 * R, 128), element_bitwidth=16
+    )
+    q_s = gl.allocate_shared_memory(dtype, [BLOCK_H, C], lat_layout)
+    q_pe_s = gl.allocate_shared_memory(dtype, [BLOCK_H, R], pe_layout)
+    p_s = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], lat_layout)
+    lat_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, C], lat_layout)
+    pe_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], pe_layout)
+    scale_s = gl.allocate_shared_memory(
+        gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(s), count=32 * LOADER_WARPS)  # every loader lane's copies
+        mbarrier.init(kv_empty.index(s), count=2)  # both groups' PV
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_empty, count=1)
+
+    gl.warp_specialize(
+        [
+            (
+                _softmax_group,
+                (
+                    q_base, stride_qh, qk_scale, q_s, q_pe_s, p_s, scale_s, lat_ring, pe_ring,
+                    kv_ready, kv_empty, p_ready, p_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
+                    start, end, num_heads,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                ),
+            ),
+            (
+                _pv_group,
+                (
+                    p_s, scale_s, lat_ring, kv_empty, p_ready, p_empty, mid_o_ptr, b, split, hg,
+                    start, end, num_heads, stride_mob, stride_moh, stride_mos,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
+                    kv_empty, PAGE_SIZE, SLOT_TABLE,
+                ),
+            ),
+        ],
+        [PV_WARPS, LOADER_WARPS],
+        [PV_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+def fits(device: torch.device, num_heads: int, kv_lora_rank: int, rope_dim: int,
+         page_size: int) -> bool:  # fmt: skip
+    """Whether this kernel serves: a Hopper GPU (wgmma; Gluon compiles, never interprets), at
+    least 64 heads, a latent of 512 (two 64-token tiles beside q in shared memory), a RoPE
+    part of 32 or 64, and tiles that stay inside a page."""
+    if is_interpreter() or device.type != "cuda":
+        return False
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
+    pages_ok = page_size == 1 or page_size % BLOCK_N.value == 0
+    shape_ok = num_heads >= BLOCK_H.value and kv_lora_rank == 512 and rope_dim in (32, 64)
+    return hopper and shape_ok and pages_ok
+
+
+def launch_stage1(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    row_idx: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    qk_scale: float,
+    page_size: int,
+    stages: int = 2,
+) -> None:
+    """Stage 1 over a 16-bit pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
+    output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does."""
+    batch, num_heads, head_dim = q.shape
+    c = mid_o.shape[-1]
+    assert q.dtype == kv.dtype, (q.dtype, kv.dtype)
+    grid = (triton.cdiv(num_heads, BLOCK_H.value), mid_lse.shape[2], batch)
+    launch(
+        mla_decode_wide_kernel, grid,
+        q, kv, table, row_idx if row_idx is not None else seq_lens, seq_lens, mid_o, mid_lse,
+        qk_scale, q.stride(0), q.stride(1), kv.stride(0), table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
+        SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
+        num_warps=4,
+    )  # fmt: skip
