@@ -148,11 +148,12 @@ class EngineConfig:
     # MLA's absorbed W_UK / W_UV (w_kc, w_vc) at decode: "auto" (model dtype) or "fp8_e4m3"
     # (quantized at load time, per-output-channel fp32 scales; engine/layers/fp8_bmm.py).
     absorbed_weight_dtype: str = "auto"
-    # MLA decode over an FP8 cache: "gluon", the warp-specialized Gluon kernel
-    # (engine/kernels/mla_decode_gluon.py; Hopper GPUs, a latent of 256/512 and RoPE of 32/64
-    # as DeepSeek's, page size 1 or a multiple of 64), "triton" (the kernel every GPU runs), or
-    # "auto": the Gluon kernel where it serves, else the Triton one (1.19-1.27x faster at batch
-    # >= 16 past 1K of context on an H200, perf/RESULTS.md run AK).
+    # MLA decode: "gluon", the warp-specialized Gluon kernels (Hopper GPUs, DeepSeek's latent
+    # and RoPE sizes, page size 1 or a multiple of 64): over an FP8 cache
+    # engine/kernels/mla_decode_gluon.py (1.19-1.27x the Triton kernel at batch >= 16 past 1K
+    # of context on an H200, perf/RESULTS.md run AK), over a 16-bit cache at 64+ query heads a
+    # GPU engine/kernels/mla_decode_gluon_wide.py (about 2x at 128 heads, run AM); "triton"
+    # (the kernel every GPU runs); or "auto": a Gluon kernel where one serves, else Triton.
     mla_decode_kernel: str = "auto"
     page_size: int = 1
     mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
@@ -217,10 +218,6 @@ class EngineConfig:
             raise ConfigError(
                 f"mla_decode_kernel must be one of {MLA_DECODE_KERNELS}, "
                 f"got {self.mla_decode_kernel!r}"
-            )
-        if self.mla_decode_kernel == "gluon" and self.kv_cache_dtype != "fp8_e4m3":
-            raise ConfigError(
-                "mla_decode_kernel='gluon' decodes FP8 caches only: set kv_cache_dtype='fp8_e4m3'"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(

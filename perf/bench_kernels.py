@@ -37,6 +37,7 @@ from engine.kernels.mla_decode import (  # noqa: E402
     mla_decode_paged,
 )
 from engine.kernels.mla_decode_gluon import fits as gluon_fits  # noqa: E402
+from engine.kernels.mla_decode_gluon_wide import fits as gluon_wide_fits  # noqa: E402
 from engine.kernels.utils import choose_num_kv_splits  # noqa: E402
 
 C, R, PAGE = 512, 64, 64
@@ -211,6 +212,16 @@ def ours_fns(
             q, p.cache8, p.block_table, p.seq_lens, C, scale, k_scale=p.k_scale,
             max_seq_len=p.ctx, config=g,
         )  # fmt: skip
+    if cfg is None and gluon_wide_fits(q.device, heads, C, R, PAGE):
+        # The bf16 Gluon kernel of 64 heads a program, as the engine picks it at 64+ heads.
+        w = gluon_config(heads, p.batch, p.ctx, fp8=False)
+        fns["gluon_bf16_p1"] = lambda: mla_decode(
+            q, kv1, p.req_to_token, p.req_pool_indices, p.seq_lens, C, scale,
+            max_seq_len=p.ctx, config=w,
+        )  # fmt: skip
+        fns["gluon_bf16"] = lambda: mla_decode_paged(
+            q, p.cache, p.block_table, p.seq_lens, C, scale, max_seq_len=p.ctx, config=w
+        )
     return fns
 
 
@@ -232,8 +243,9 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
         "FlashMLA fp8 us | ours fp8 us (GB/s) | "
         "vs FlashMLA bf16 | vs FlashMLA fp8 | ours fp8 page-1 us | vs FlashMLA fp8 | "
         "bf16 % copy | fp8 % copy | Gluon fp8 page-1 us | vs FlashMLA fp8 | vs FlashMLA bf16 | "
-        "Gluon fp8 paged us | vs FlashMLA fp8 |\n"
-        "|" + " --- |" * 23
+        "Gluon fp8 paged us | vs FlashMLA fp8 | Gluon bf16 page-1 us | vs FlashMLA bf16 | "
+        "Gluon bf16 paged us | vs FlashMLA bf16 |\n"
+        "|" + " --- |" * 27
     )
     for batch in args.batches:
         for ctx in args.contexts:
@@ -246,7 +258,8 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
                 if "fm_bf16" in fns:
                     ref = _out(fns["fm_bf16"]())
                     for k in ("ours_bf16", "ours_bf16_p1", "ours_bf16_p64", "ours_fp8",
-                              "ours_fp8_p1", "fm_fp8", "gluon_fp8_p1", "gluon_fp8"):  # fmt: skip
+                              "ours_fp8_p1", "fm_fp8", "gluon_fp8_p1", "gluon_fp8",
+                              "gluon_bf16_p1", "gluon_bf16"):  # fmt: skip
                         if k in fns:
                             check[k] = rel_err(_out(fns[k]()), ref)
                 b16, b8 = p.bytes(heads, 2), p.bytes(heads, 1)
@@ -271,6 +284,8 @@ def bench_mla(args: argparse.Namespace, copy_gbs: float, log: list[dict[str, Any
                     f" {g1 * 1e6:.1f} | {fm8 / g1:.2f}x | {fm / g1:.2f}x | "
                     f"{gp * 1e6:.1f} | {fm8 / gp:.2f}x |"
                 )
+                w1, wp = t.get("gluon_bf16_p1", nan), t.get("gluon_bf16", nan)
+                line += f" {w1 * 1e6:.1f} | {fm / w1:.2f}x | {wp * 1e6:.1f} | {fm / wp:.2f}x |"
                 rows.append(line)
                 errs = " ".join(f"{k}={v:.1e}" for k, v in check.items())
                 print(line, f"  err vs FlashMLA bf16: {errs}", flush=True)

@@ -1,5 +1,6 @@
-"""EngineConfig.mla_decode_kernel: MLA decode over an FP8 cache through the warp-specialized
-Gluon kernel (engine/kernels/mla_decode_gluon.py) or the Triton one. "gluon" where it cannot
+"""EngineConfig.mla_decode_kernel: MLA decode through the warp-specialized Gluon kernels
+(engine/kernels/mla_decode_gluon.py over an FP8 cache, mla_decode_gluon_wide.py over a 16-bit
+one at 64+ heads) or the Triton one. "gluon" where it cannot
 run is refused at start with the reason; "auto" (the default) takes the Gluon kernel where it
 serves and the Triton one elsewhere; on a Hopper GPU the engine's logits match the Triton
 kernel's, eager and replayed from CUDA graphs."""
@@ -21,8 +22,8 @@ CPU = dict(device="cpu", dtype="float32", max_total_tokens=256, max_context_len=
 def test_option_is_validated() -> None:
     with pytest.raises(ConfigError, match="mla_decode_kernel must be one of"):
         EngineConfig(mla_decode_kernel="flashmla")
-    with pytest.raises(ConfigError, match="decodes FP8 caches only"):
-        EngineConfig(mla_decode_kernel="gluon")
+    # Whether it can run (the cache, the heads, the GPU) is checked at start, with the model.
+    assert EngineConfig(mla_decode_kernel="gluon").mla_decode_kernel == "gluon"
     assert EngineConfig(**GLUON).mla_decode_kernel == "gluon"  # type: ignore[arg-type]
     assert EngineConfig().mla_decode_kernel == "auto"
 
@@ -49,6 +50,13 @@ def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPa
     assert not isinstance(make_attention_backend("torch_native", pool, cpu, "auto"), TritonBackend)
     bf16 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU))  # type: ignore[arg-type]
     assert not make_attention_backend("triton", bf16.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
+    # A bf16 pool: the kernel of 64 heads a program, where it fits the heads a GPU.
+    from engine.kernels import mla_decode_gluon_wide
+
+    monkeypatch.setattr(mla_decode_gluon_wide, "fits", lambda _d, heads, *rest: heads >= 64)
+    for heads, want in ((16, False), (128, True)):
+        wide = make_attention_backend("triton", bf16.kv_pool, cpu, "auto", num_heads=heads)
+        assert wide.gluon_decode == want  # type: ignore[attr-defined]
 
 
 def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
@@ -57,6 +65,10 @@ def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
         ModelRunner(EngineConfig(model=tiny_llama, **CPU, **GLUON))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"needs a Hopper GPU \(sm_90; this is cpu\)"):
         ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU, **GLUON))  # type: ignore[arg-type]
+    # A bf16 cache: the heads a GPU are named too (the tiny model's, far below 64).
+    bf16 = EngineConfig(model=tiny_mla("v2"), **CPU, mla_decode_kernel="gluon")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"over a 16-bit cache needs .* query heads a GPU \(here"):
+        ModelRunner(bf16)
 
 
 def test_refused_outside_the_triton_backend(tiny_mla, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,4 +113,56 @@ def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # 
         del llm
         scale = triton_logits.abs().max().item()
         assert (got - triton_logits).abs().max().item() <= 0.03 * scale
+        assert (got.argmax(-1) == triton_logits.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.fixture(scope="module")
+def heads128_two_layers(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str) -> str:
+    """DeepSeek-V2's attention (128 heads, kv_lora_rank 512, RoPE 64) in 2 dense layers of a
+    small hidden size, random bf16 weights."""
+    from pathlib import Path
+
+    from engine.tools.make_random_checkpoint import make_checkpoint
+
+    out = tmp_path_factory.mktemp("heads128")
+    shape = dict(hidden_size=1024, heads=128, kv_lora_rank=512, qk_nope_head_dim=128)
+    shape.update(qk_rope_head_dim=64, v_head_dim=128, layers=2, first_k_dense_replace=2)
+    make_checkpoint(
+        out,
+        tokenizer_dir=Path(default_tokenizer),
+        weight_scale=0.02,
+        save_dtype=torch.bfloat16,
+        **shape,  # type: ignore[arg-type]
+    )
+    return str(out)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
+def test_128_heads_gluon_decode_matches_triton(heads128_two_layers: str) -> None:
+    """128 heads, bf16 cache, teacher-forced: the decode logits of the Gluon kernel of 64 heads
+    a program (the default, "auto") against the Triton kernel's, eager and from graphs."""
+    import random
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 64, 200, 700)]
+    forced = [[rng.randrange(100, 40000) for _ in range(10)] for _ in prompts]
+    common = dict(dtype="bfloat16", max_total_tokens=8192, max_running_requests=8)
+    llm = LLM(
+        heads128_two_layers, enable_cuda_graph=False, mla_decode_kernel="triton", **common,  # type: ignore[arg-type]
+    )  # fmt: skip
+    triton_logits = _teacher_forced_logits(llm, prompts, forced)
+    del llm
+    for graphs in (False, True):
+        llm = LLM(
+            heads128_two_layers, enable_cuda_graph=graphs, cuda_graph_max_bs=8, **common,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert llm.core.runner.attn_backend.gluon_decode  # type: ignore[attr-defined]
+        got = _teacher_forced_logits(llm, prompts, forced)
+        del llm
+        scale = triton_logits.abs().max().item()
+        assert (got - triton_logits).abs().max().item() <= 0.02 * scale
         assert (got.argmax(-1) == triton_logits.argmax(-1)).float().mean().item() >= 0.9

@@ -159,7 +159,11 @@ class ModelRunner:
         )
         self.kv_pool = self._make_kv_pool(self.max_total_tokens)
         self.attn_backend: AttentionBackend = make_attention_backend(
-            config.attention_backend, self.kv_pool, self.device, config.mla_decode_kernel
+            config.attention_backend,
+            self.kv_pool,
+            self.device,
+            config.mla_decode_kernel,
+            num_heads=mc.num_attention_heads // self.parallel.world_size,
         )
         self.ctx = ForwardContext(self.req_to_token, self.kv_pool, self.attn_backend)
         self.graph_runner: CudaGraphRunner | None = None

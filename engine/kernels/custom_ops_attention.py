@@ -51,6 +51,11 @@ def _(
     return None
 
 
+def _gluon_config(q: Tensor, kv_buffer: Tensor, max_seq_len: int) -> _mla_decode.MLADecodeConfig:
+    fp8 = kv_buffer.dtype == torch.float8_e4m3fn
+    return _mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len, fp8)
+
+
 @torch.library.custom_op("engine::mla_decode", mutates_args=())
 def _mla_decode_op(
     q: Tensor,
@@ -78,7 +83,7 @@ def _mla_decode_op(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len) if gluon else None,
+        config=_gluon_config(q, kv_buffer, max_seq_len) if gluon else None,
     )
 
 
@@ -187,7 +192,8 @@ def mla_decode(
     gluon: bool = False,
 ) -> Tensor:
     """As `engine.kernels.mla_decode.mla_decode`; `max_seq_len` is required (no host sync).
-    `gluon`: an FP8 cache's decode through the warp-specialized Gluon kernel (sm_90)."""
+    `gluon`: the decode through the warp-specialized Gluon kernels (sm_90; an FP8 cache, or a
+    16-bit one at 64+ heads)."""
     if _tracing():
         return _mla_decode_op(
             q,
@@ -215,7 +221,7 @@ def mla_decode(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len) if gluon else None,
+        config=_gluon_config(q, kv_buffer, max_seq_len) if gluon else None,
     )
 
 

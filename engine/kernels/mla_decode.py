@@ -494,11 +494,16 @@ GLUON_DEEP_RING_TOKENS = 128 * 1024
 GLUON_WIDE_HEAD_ROWS = 1024
 
 
-def gluon_config(num_heads: int, batch: int, max_seq_len: int) -> MLADecodeConfig:
-    """The warp-specialized Gluon kernel for FP8 caches (sm_90, `mla_decode_gluon`), q as two
+def gluon_config(num_heads: int, batch: int, max_seq_len: int, fp8: bool = True) -> MLADecodeConfig:
+    """The warp-specialized Gluon kernels (sm_90). FP8 caches (`mla_decode_gluon`): q as two
     e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
-    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones. Its tile shape is the kernel's
-    own (`_launch` sets it); the Triton fields serve a GPU it misses."""
+    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones. 16-bit caches
+    (`mla_decode_gluon_wide`, 64+ heads): 64 heads a program, 2 tiles in flight. The tile shapes
+    are the kernels' own (`_launch` sets them); the Triton fields serve a GPU they miss."""
+    if not fp8:
+        # NOTE: the default split count at block_h 64 and one wave was the best of the tuned
+        # counts at 128 heads, ctx 4K, batch 1-128 (run AM).
+        return default_config(num_heads, False)._replace(waves=1.0, gluon=1)
     cfg = default_config(num_heads, True)._replace(
         num_stages=2, waves=1.0, q_residual=True, gluon=2
     )

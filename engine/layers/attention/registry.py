@@ -10,17 +10,21 @@ from engine.mem_cache.kv_pool import KVPool, MLATokenToKVPool
 
 
 def make_attention_backend(
-    name: str, kv_pool: KVPool, device: torch.device, mla_decode_kernel: str = "auto"
+    name: str,
+    kv_pool: KVPool,
+    device: torch.device,
+    mla_decode_kernel: str = "auto",
+    num_heads: int = 0,
 ) -> AttentionBackend:
     """ "auto": Triton kernels on CUDA, the torch-native reference elsewhere.
-    `mla_decode_kernel` (`EngineConfig.mla_decode_kernel`) "gluon" is checked against the pool
-    and the GPU here, so that a setting that cannot run is refused at start; "auto" takes the
-    Gluon kernel wherever that check passes."""
+    `mla_decode_kernel` (`EngineConfig.mla_decode_kernel`) "gluon" is checked against the pool,
+    the query heads a GPU (`num_heads`) and the GPU here, so that a setting that cannot run is
+    refused at start; "auto" takes the Gluon kernels wherever that check passes."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch_native"
-    refusal = _gluon_decode_refusal(name, kv_pool, device)
+    refusal = _gluon_decode_refusal(name, kv_pool, device, num_heads)
     if mla_decode_kernel == "gluon" and refusal:
         raise ConfigError(refusal)
     gluon = mla_decode_kernel in ("gluon", "auto") and refusal is None
@@ -33,20 +37,32 @@ def make_attention_backend(
     return TorchNativeBackend(kv_pool)
 
 
-def _gluon_decode_refusal(backend: str, kv_pool: KVPool, device: torch.device) -> str | None:
-    """Why the Gluon MLA decode kernel cannot run here, or None: it needs the Triton backend,
-    an MLA model's FP8 latent pool and a GPU and shapes it serves (`mla_decode_gluon.fits`)."""
+def _gluon_decode_refusal(
+    backend: str, kv_pool: KVPool, device: torch.device, num_heads: int
+) -> str | None:
+    """Why the Gluon MLA decode kernels cannot run here, or None: they need the Triton backend,
+    an MLA model's latent pool, a GPU and shapes they serve: an FP8 pool
+    (`mla_decode_gluon.fits`), or a 16-bit one at 64+ heads (`mla_decode_gluon_wide.fits`)."""
     where = "mla_decode_kernel='gluon'"
-    if not isinstance(kv_pool, MLATokenToKVPool) or not kv_pool.is_fp8:
-        return f"{where} applies to MLA models (DeepSeek-V2/V3) with an FP8 cache"
-    from engine.kernels import mla_decode_gluon
+    if not isinstance(kv_pool, MLATokenToKVPool):
+        return f"{where} applies to MLA models (DeepSeek-V2/V3)"
+    from engine.kernels import mla_decode_gluon, mla_decode_gluon_wide
 
-    rope = kv_pool.qk_rope_head_dim
-    if not mla_decode_gluon.fits(device, kv_pool.kv_lora_rank, rope, kv_pool.page_size):
+    rank, rope, page = kv_pool.kv_lora_rank, kv_pool.qk_rope_head_dim, kv_pool.page_size
+    shape = (
+        f"(this model: {rank} and {rope}), and a page size of 1 or a multiple of 64 (here {page})"
+    )
+    if kv_pool.is_fp8 and not mla_decode_gluon.fits(device, rank, rope, page):
         return (
             f"{where} needs a Hopper GPU (sm_90; this is {device}), a latent of 256 or 512 and a "
-            f"RoPE part of 32 or 64 (this model: {kv_pool.kv_lora_rank} and {rope}), and a page "
-            f"size of 1 or a multiple of 64 (here {kv_pool.page_size})"
+            f"RoPE part of 32 or 64 {shape}"
+        )
+    if not kv_pool.is_fp8 and not mla_decode_gluon_wide.fits(device, num_heads, rank, rope, page):
+        return (
+            f"{where} over a 16-bit cache needs a Hopper GPU (sm_90; this is {device}), 64 or "
+            f"more query heads a GPU (here {num_heads}; an FP8 cache, kv_cache_dtype="
+            f"'fp8_e4m3', has a Gluon kernel at any head count), a latent of 512 and a RoPE "
+            f"part of 32 or 64 {shape}"
         )
     if backend != "triton":
         return f"{where} runs in the Triton attention backend, not {backend!r}"

@@ -45,8 +45,8 @@ class TritonBackend(AttentionBackend):
         super().__init__(kv_pool)
         self.is_mla = isinstance(kv_pool, MLATokenToKVPool)
         self.native = TorchNativeBackend(kv_pool)
-        # MLA decode over the FP8 pool through the Gluon kernel (EngineConfig.mla_decode_kernel,
-        # checked by `make_attention_backend`).
+        # MLA decode through the Gluon kernels (EngineConfig.mla_decode_kernel, checked by
+        # `make_attention_backend`).
         self.gluon_decode = gluon_decode
 
     # ---- metadata -----------------------------------------------------------------------------
