@@ -8,6 +8,8 @@ Triton's own ptxas). Use the GPU's Triton
 (3.6) to see what it would run there:
 
     PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py [--page 64] [--stages 3]
+
+`--wide` compiles the bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`) instead.
 """
 
 from __future__ import annotations

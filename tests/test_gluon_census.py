@@ -1,4 +1,5 @@
-"""The Gluon FP8 MLA decode kernel compiles for sm_90 on any machine (perf/gluon_census.py):
+"""The Gluon MLA decode kernels compile for sm_90 on any machine (perf/gluon_census.py). The FP8
+kernel:
 the loader's gathers signal their mbarrier, QK stays an e4m3 wgmma and PV an fp16 one, the
 partitions get their own register budgets, ptxas spills no more than the measured forms do,
 and the rings fit in shared memory.
@@ -62,5 +63,27 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     limit = 256 if "--heads" in flags else 128 if "--page" in flags else 32
     if spills != "n/a":
         assert int(spills) <= limit, out.stdout
+    shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
+    assert shared_kb <= H200_SHARED_KB, out.stdout
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_gluon_wide_kernel_compiles_for_hopper(page: int) -> None:
+    """The bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`): QK as one m64n64k16
+    chain over 576 (36 k-steps), PV as m64n256k16 in each of the two warp groups (4 k-steps of
+    16 tokens each), the loader's gathers signalling their mbarrier, q + 2 tiles + P within the
+    SM's shared memory, and no register spills (none at Triton 3.9)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), "--wide", "--page", str(page)]
+    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
+    assert counts["wgmma bf16"] == 36 + 2 * 4, out.stdout
+    assert "m64n64k16" in out.stdout and "m64n256k16" in out.stdout, out.stdout
+    assert counts["wgmma e4m3"] == 0 and counts["cvt e4m3x2"] == 0, out.stdout
+    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
+    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
+    if spills != "n/a":
+        assert int(spills) <= 32, out.stdout
     shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
     assert shared_kb <= H200_SHARED_KB, out.stdout
