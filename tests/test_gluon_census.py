@@ -1,10 +1,10 @@
-"""The Gluon MLA decode kernels compile for sm_90 on any machine (perf/gluon_census.py). The FP8
-kernel:
-the loader's gathers signal their mbarrier, QK stays an e4m3 wgmma and PV an fp16 one, the
-partitions get their own register budgets, ptxas spills no more than the measured forms do,
-and the rings fit in shared memory.
-Its results are checked on a Hopper GPU (tests/kernels/test_mla_decode_gluon.py). It runs in a
-process of its own: Gluon kernels are compiled, never interpreted."""
+"""The Gluon MLA decode kernels compile for sm_90 on any machine (perf/gluon_census.py). In the
+FP8 kernel the loader's gathers signal their mbarrier, QK stays an e4m3 wgmma and PV an fp16
+one, the partitions get their own register budgets, ptxas spills no more than the measured
+forms do, and the rings fit in shared memory; the bf16 kernel of 64 heads a program keeps its
+wgmma shapes and fits. Their results are checked on a Hopper GPU
+(tests/kernels/test_mla_decode_gluon.py). Each compiles in a process of its own: Gluon kernels
+are compiled, never interpreted."""
 
 from __future__ import annotations
 
