@@ -315,6 +315,10 @@ GLUON = [
 # The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
 # read by half as many programs; V in 32-token slots so that it fits).
 GLUON_128 = [
+    # 64 heads a program (`mla_decode_gluon_wide`): q in e4m3 as two terms or one, 2 or 3 tiles.
+    MLADecodeConfig(64, 64, 4, 2, 1.0, 128, q_residual=True, gluon=1, gluon_heads=64),
+    MLADecodeConfig(64, 64, 4, 2, 1.0, 128, gluon=1, gluon_heads=64),
+    MLADecodeConfig(64, 64, 4, 3, 1.0, 128, gluon=1, gluon_heads=64),
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2),
     MLADecodeConfig(32, 64, 4, 3, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
     MLADecodeConfig(32, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),

@@ -73,16 +73,20 @@ def compile_kernel(
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
 
-def compile_wide(page_size: int = 1, stages: int = 2) -> Any:
-    """`mla_decode_wide_kernel` (64 heads a program, bf16 pool) as the engine launches it."""
+def compile_wide(
+    page_size: int = 1, stages: int = 2, fp8: bool = False, q_residual: bool = True
+) -> Any:
+    """`mla_decode_wide_kernel` (64 heads a program; bf16 or e4m3 pool) as the engine launches
+    it."""
     sig = {
-        "q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i32", "row_idx_ptr": "*i64",
-        "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "qk_scale": "fp32",
+        "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
+        "row_idx_ptr": "*i64", "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32",
+        "mid_lse_ptr": "*fp32", "qk_scale": "fp32", "k_scale_ptr": "*fp32",
         **dict.fromkeys(_INTS, "i32"),
     }  # fmt: skip
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
-        "HAS_ROW_IDX": page_size == 1, "STAGES": stages,
+        "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "Q_RESIDUAL": fp8 and q_residual,
     }  # fmt: skip
     return _compile(mla_decode_gluon_wide.mla_decode_wide_kernel, sig, consts)
 
@@ -125,10 +129,11 @@ def main() -> None:
     ap.add_argument("--v-rows", type=int, default=64, help="tokens of an fp16 V ring slot")
     ap.add_argument("--one-term", action="store_true", help="q as one e4m3 term")
     ap.add_argument("--heads", type=int, default=16, help="heads a program (16 or 32)")
-    ap.add_argument("--wide", action="store_true", help="the bf16 kernel of 64 heads a program")
+    ap.add_argument("--wide", action="store_true", help="the kernel of 64 heads a program")
+    ap.add_argument("--fp8", action="store_true", help="with --wide: over an e4m3 pool")
     args = ap.parse_args()
     if args.wide:
-        kernel = compile_wide(args.page, args.stages)
+        kernel = compile_wide(args.page, args.stages, args.fp8, not args.one_term)
     else:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads

@@ -439,7 +439,8 @@ class MLADecodeConfig(NamedTuple):
     v_rows: int = 64
     # With gluon: heads a program, 16 or 32 (N of its wgmmas; 32 halves the programs that
     # read each tile at 128 heads, and needs V slots of 32 tokens to fit; `gluon_config` takes
-    # it for wide calls).
+    # it for wide calls), or 64: the kernel of 64 heads a program (`mla_decode_gluon_wide`,
+    # num_stages e4m3 tiles, q_residual as for the others).
     gluon_heads: int = 16
 
 
@@ -557,16 +558,16 @@ def _launch(
             "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64, pages of 1 or 64k"
         )
         cfg = cfg._replace(gluon=0)
-    wide = not is_fp8 and cfg.gluon > 0
+    wide = cfg.gluon > 0 and (not is_fp8 or cfg.gluon_heads == mla_decode_gluon_wide.BLOCK_H.value)
     if wide and not mla_decode_gluon_wide.fits(q.device, num_heads, c, r, page_size):
         assert config is None, (
-            "the bf16 Gluon kernel needs sm_90, 64+ heads, a latent of 512, RoPE 32/64, pages "
-            "of 1 or 64k"
+            "the Gluon kernel of 64 heads a program needs sm_90, 64+ heads, a latent of 512, "
+            "RoPE 32/64, pages of 1 or 64k"
         )
         cfg, wide = cfg._replace(gluon=0), False
     if wide:
         cfg = cfg._replace(block_h=mla_decode_gluon_wide.BLOCK_H.value, block_n=64)
-    gluon = is_fp8 and cfg.gluon > 0
+    gluon = is_fp8 and cfg.gluon > 0 and not wide
     if gluon:
         assert cfg.gluon_heads in (16, 32), f"gluon_heads is 16 or 32, got {cfg.gluon_heads}"
         cfg = cfg._replace(block_h=cfg.gluon_heads, block_n=mla_decode_gluon.BLOCK_N.value)
@@ -610,7 +611,7 @@ def _launch(
     elif wide:
         mla_decode_gluon_wide.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, page_size,
-            cfg.num_stages,
+            cfg.num_stages, k_scale, cfg.q_residual,
         )  # fmt: skip
     else:
         launch(

@@ -225,3 +225,33 @@ def test_gluon_wide_paged() -> None:
     ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05)
     out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=WIDE)
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [([1], 64, None), ([37, 64, 65], 128, 1), ([5, 1000, 17, 300], 128, None), ([3, 200], 80, 8)],
+)
+def test_gluon_wide_fp8_matches_reference(
+    seq_lens: list[int], heads: int, splits: int | None
+) -> None:
+    """64 heads a program over an e4m3 pool: QK as e4m3 wgmmas (q's two e4m3 terms chained into
+    one accumulator, or one term), V through an fp16 copy the PV group writes."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=heads + 1)
+    args = (q, kv8, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    two = WIDE._replace(q_residual=True, gluon_heads=64)
+    out = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=two)
+    assert out.shape == (len(seq_lens), heads, C) and torch.isfinite(out.float()).all()
+    assert _rel_err(out, ref) < 2e-2
+    one = mla_decode(
+        *args, k_scale=k_scale, num_kv_splits=splits, config=two._replace(q_residual=False)
+    )
+    assert _rel_err(one, ref) < 8e-2
+    # The same two-term error as the 16-head form's (its second term is scaled by 16).
+    base = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=_gluon())
+    assert _rel_err(out, base) < 2e-2
+    for stages in (3,):  # a deeper ring: the same products in the same order
+        deep = two._replace(q_residual=False, num_stages=stages)
+        assert torch.equal(
+            mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=deep), one
+        )
