@@ -4,12 +4,13 @@ MLA decode kernel, in one process: what the kernel of 64 heads a program gives e
 A random checkpoint with DeepSeek-V2's attention shape (hidden 5120, 128 heads, q_lora_rank
 1536, kv_lora_rank 512, 128 + 64 q/k head dims, v 128) and a dense MLP (V2's 12288) is written
 once (`--layers` of them; transformers' own classes, bf16). For each kernel (`--kernels`,
-EngineConfig.mla_decode_kernel) and request count N: N random prompts of `--prompt-len` tokens,
-then the decode phase alone, timed as a `generate` of `--max-tokens` new tokens less one of a
-single new token over the same prompts (radix cache off, so both prefill alike), with CUDA
-graphs. The ratio of each kernel's decode tok/s to the first kernel's is printed and written.
+EngineConfig.mla_decode_kernel), KV cache dtype (`--kv`, EngineConfig.kv_cache_dtype) and request
+count N: N random prompts of `--prompt-len` tokens, then the decode phase alone, timed as a
+`generate` of `--max-tokens` new tokens less one of a single new token over the same prompts
+(radix cache off, so both prefill alike), with CUDA graphs. The ratio of each kernel's decode
+tok/s to the first kernel's over the same cache is printed and written.
 
-    python3 perf/bench_mla_heads.py --requests 16 64 --json /tmp/heads.json
+    python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 --json /tmp/heads.json
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kernels", nargs="+", default=["triton", "auto"])
+    ap.add_argument("--kv", nargs="+", default=["auto"], help="kv_cache_dtype values")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -69,25 +71,28 @@ def main() -> None:
     context = args.prompt_len + args.max_tokens
     results: list[dict[str, Any]] = []
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    print(f"GPU: {gpu}  torch {torch.__version__}", flush=True)
-    for kernel in args.kernels:
-        llm = LLM(
-            str(model), mla_decode_kernel=kernel, disable_radix_cache=True,
-            max_running_requests=longest, max_context_len=context,
-            max_total_tokens=longest * context + 1024, cuda_graph_max_bs=longest,
-        )  # fmt: skip
-        gluon = bool(getattr(llm.core.runner.attn_backend, "gluon_decode", False))
-        for n in args.requests:
-            tok_s = decode_tok_s(llm, prompts[:n], args.max_tokens)
-            results.append({"kernel": kernel, "gluon": gluon, "requests": n, "decode_tok_s": tok_s})
-            print(f"kernel={kernel} (gluon={gluon}) N={n}: decode {tok_s:.0f} tok/s", flush=True)
-        llm.shutdown()
-        del llm
-        torch.cuda.empty_cache()
-    base = {r["requests"]: r["decode_tok_s"] for r in results if r["kernel"] == args.kernels[0]}
+    print(f"GPU: {gpu}  torch {torch.__version__}")
+    for kv in args.kv:
+        for kernel in args.kernels:
+            llm = LLM(
+                str(model), mla_decode_kernel=kernel, kv_cache_dtype=kv, disable_radix_cache=True,
+                max_running_requests=longest, max_context_len=context,
+                max_total_tokens=longest * context + 1024, cuda_graph_max_bs=longest,
+            )  # fmt: skip
+            gluon = bool(getattr(llm.core.runner.attn_backend, "gluon_decode", False))
+            for n in args.requests:
+                tok_s = decode_tok_s(llm, prompts[:n], args.max_tokens)
+                row = {"kv": kv, "kernel": kernel, "gluon": gluon, "requests": n}
+                results.append({**row, "decode_tok_s": tok_s})
+                print(f"kv={kv} kernel={kernel} (gluon={gluon}) N={n}: {tok_s:.0f} tok/s")
+            llm.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+    first = args.kernels[0]
+    base = {(r["kv"], r["requests"]): r["decode_tok_s"] for r in results if r["kernel"] == first}
     for r in results:
-        r["vs_first"] = r["decode_tok_s"] / base[r["requests"]]
-        print(f"{r['kernel']} N={r['requests']}: {r['vs_first']:.2f}x {args.kernels[0]}")
+        r["vs_first"] = r["decode_tok_s"] / base[r["kv"], r["requests"]]
+        print(f"kv={r['kv']} {r['kernel']} N={r['requests']}: {r['vs_first']:.2f}x {first}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 

@@ -36,8 +36,9 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
         _flags(gluon_config(16, 1, 1024)),
         _flags(gluon_config(16, 128, 16384)),
         ["--page", "64", "--stages", "3", "--v-stages", "1"],
-        # 32 heads a program (the pick at 128 heads, batch 16): m64n64 QK, m64n32 PV.
-        _flags(gluon_config(128, 16, 4096)),
+        # 32 heads a program (the pick at 128 heads for a latent the wide kernel does not
+        # serve): m64n64 QK, m64n32 PV.
+        _flags(gluon_config(128, 16, 4096, kv_lora_rank=256)),
     ],
 )
 def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
@@ -67,6 +68,17 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     assert shared_kb <= H200_SHARED_KB, out.stdout
 
 
+def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
+    """At 128 heads the engine takes 64 heads a program from batch 8 (q as one e4m3 term, 3
+    tiles), and keeps 16 at batch 1; the 32-head form serves a latent the wide kernel does not."""
+    wide = gluon_config(128, 16, 4096)
+    assert (wide.gluon_heads, wide.num_stages, wide.q_residual) == (64, 3, False)
+    assert gluon_config(128, 8, 4096).gluon_heads == 64
+    assert gluon_config(128, 1, 4096).gluon_heads == 16
+    assert gluon_config(128, 16, 4096, kv_lora_rank=256).gluon_heads == 32
+    assert gluon_config(16, 128, 4096).gluon_heads == 16  # fewer heads than a wide program
+
+
 @pytest.mark.parametrize("page", [1, 64])
 def test_gluon_wide_kernel_compiles_for_hopper(page: int) -> None:
     """The bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`): QK as one m64n64k16
@@ -85,5 +97,31 @@ def test_gluon_wide_kernel_compiles_for_hopper(page: int) -> None:
     spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
     if spills != "n/a":
         assert int(spills) <= 32, out.stdout
+    shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
+    assert shared_kb <= H200_SHARED_KB, out.stdout
+
+
+@pytest.mark.parametrize("page", [1, 64])
+def test_gluon_wide_fp8_kernel_compiles_for_hopper(page: int) -> None:
+    """The engine's pick for wide FP8 calls (`gluon_config`: 64 heads a program, q as one e4m3
+    term, 3 tiles): QK as one m64n64k32 e4m3 chain over 576 (18 k-steps), PV as m64n256k16 fp16
+    in each warp group, V's latent converted from e4m3 (64 x 512 a tile over the PV group's
+    128 threads, 2 a cvt), within the SM's shared memory; ptxas spilled 16 bytes at page size
+    1 and 112 paged (Triton 3.9; the loader's page arithmetic, as in the 16-head kernel)."""
+    cfg = gluon_config(128, 64, 4096)
+    flags = ["--wide", "--fp8", "--page", str(page), "--stages", str(cfg.num_stages)]
+    flags += [] if cfg.q_residual else ["--one-term"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
+    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
+    assert counts["wgmma e4m3"] == 18 and "m64n64k32" in out.stdout, out.stdout
+    assert counts["wgmma f16"] == 2 * 4 and "m64n256k16" in out.stdout, out.stdout
+    assert counts["wgmma bf16"] == 0 and counts["cvt e4m3x2"] >= 128, out.stdout
+    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
+    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
+    if spills != "n/a":
+        assert int(spills) <= 128, out.stdout
     shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
     assert shared_kb <= H200_SHARED_KB, out.stdout

@@ -51,9 +51,13 @@ def _(
     return None
 
 
-def _gluon_config(q: Tensor, kv_buffer: Tensor, max_seq_len: int) -> _mla_decode.MLADecodeConfig:
+def _gluon_config(
+    q: Tensor, kv_buffer: Tensor, kv_lora_rank: int, max_seq_len: int
+) -> _mla_decode.MLADecodeConfig:
+    batch, num_heads, head_dim = q.shape
     fp8 = kv_buffer.dtype == torch.float8_e4m3fn
-    return _mla_decode.gluon_config(q.shape[1], q.shape[0], max_seq_len, fp8)
+    rope_dim = head_dim - kv_lora_rank
+    return _mla_decode.gluon_config(num_heads, batch, max_seq_len, fp8, kv_lora_rank, rope_dim)
 
 
 @torch.library.custom_op("engine::mla_decode", mutates_args=())
@@ -83,7 +87,7 @@ def _mla_decode_op(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_gluon_config(q, kv_buffer, max_seq_len) if gluon else None,
+        config=_gluon_config(q, kv_buffer, kv_lora_rank, max_seq_len) if gluon else None,
     )
 
 
@@ -221,7 +225,7 @@ def mla_decode(
         max_seq_len=max_seq_len,
         page_size=page_size,
         value_proj=value_proj,
-        config=_gluon_config(q, kv_buffer, max_seq_len) if gluon else None,
+        config=_gluon_config(q, kv_buffer, kv_lora_rank, max_seq_len) if gluon else None,
     )
 
 

@@ -438,9 +438,9 @@ class MLADecodeConfig(NamedTuple):
     # slots, PV run and each slot released a slot at a time).
     v_rows: int = 64
     # With gluon: heads a program, 16 or 32 (N of its wgmmas; 32 halves the programs that
-    # read each tile at 128 heads, and needs V slots of 32 tokens to fit; `gluon_config` takes
-    # it for wide calls), or 64: the kernel of 64 heads a program (`mla_decode_gluon_wide`,
-    # num_stages e4m3 tiles, q_residual as for the others).
+    # read each tile at 128 heads, and needs V slots of 32 tokens to fit), or 64: the kernel
+    # of 64 heads a program (`mla_decode_gluon_wide`, num_stages e4m3 tiles, q_residual as for
+    # the others; `gluon_config` takes it for wide calls where the shape allows, else 32).
     gluon_heads: int = 16
 
 
@@ -495,16 +495,34 @@ GLUON_DEEP_RING_TOKENS = 128 * 1024
 GLUON_WIDE_HEAD_ROWS = 1024
 
 
-def gluon_config(num_heads: int, batch: int, max_seq_len: int, fp8: bool = True) -> MLADecodeConfig:
+def gluon_config(
+    num_heads: int,
+    batch: int,
+    max_seq_len: int,
+    fp8: bool = True,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+) -> MLADecodeConfig:
     """The warp-specialized Gluon kernels (sm_90). FP8 caches (`mla_decode_gluon`): q as two
     e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
-    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones. 16-bit caches
-    (`mla_decode_gluon_wide`, 64+ heads): 64 heads a program, 2 tiles in flight. The tile shapes
-    are the kernels' own (`_launch` sets them); the Triton fields serve a GPU they miss."""
+    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones; wide calls of 64+ heads take the
+    kernel of 64 heads a program (`mla_decode_gluon_wide`: q as one e4m3 term, 3 tiles).
+    16-bit caches (`mla_decode_gluon_wide`, 64+ heads): 64 heads a program, 2 tiles in flight.
+    The tile shapes are the kernels' own (`_launch` sets them); the Triton fields serve a GPU
+    they miss."""
     if not fp8:
         # NOTE: the default split count at block_h 64 and one wave was the best of the tuned
         # counts at 128 heads, ctx 4K, batch 1-128 (run AM).
         return default_config(num_heads, False)._replace(waves=1.0, gluon=1)
+    wide_rows = batch * num_heads >= GLUON_WIDE_HEAD_ROWS
+    if wide_rows and mla_decode_gluon_wide.serves_shape(num_heads, kv_lora_rank, rope_dim):
+        # NOTE: at 128 heads, ctx 4K, batch 16-128: 1.7-2.1x the 32-head form, 0.78-0.84x
+        # FlashMLA FP8 (run AM, call 5). One e4m3 term for q: the tuned 2-term forms were
+        # slower at every batch there, and one term's error (3.3e-2 against FlashMLA bf16) is
+        # FlashMLA FP8's (3.6e-2), which quantizes q the same way.
+        return default_config(num_heads, True)._replace(
+            num_stages=3, waves=1.0, q_residual=False, gluon=1, gluon_heads=64
+        )
     cfg = default_config(num_heads, True)._replace(
         num_stages=2, waves=1.0, q_residual=True, gluon=2
     )
@@ -513,10 +531,11 @@ def gluon_config(num_heads: int, batch: int, max_seq_len: int, fp8: bool = True)
         # refills it during the rest; the smaller V ring leaves room for a third e4m3 tile
         # (224 KB, `perf/gluon_census.py`): 1.02-1.05x at batch >= 64 (run AK).
         cfg = cfg._replace(num_stages=3, gluon=3, v_rows=32)
-    if num_heads >= 32 and batch * num_heads >= GLUON_WIDE_HEAD_ROWS:
+    if num_heads >= 32 and wide_rows:
         # NOTE: 32 heads a program halve the programs that read each tile: 1.34-1.54x the
         # 16-head form at 128 heads, batch 16-128, ctx 4K; at batch 1 (4 programs) 0.78x
-        # (run AM). V in 32-token slots so that it fits, with 2 e4m3 tiles.
+        # (run AM). V in 32-token slots so that it fits, with 2 e4m3 tiles. The kernel of 64
+        # heads a program takes these calls where the model's shape allows.
         cfg = cfg._replace(block_h=32, num_stages=2, gluon=2, v_rows=32, gluon_heads=32)
     return cfg
 

@@ -22,8 +22,9 @@ done, which leaves room for a third e4m3 tile (`mla_decode.gluon_config` takes t
 large calls).
 
 HEADS = 32 (`MLADecodeConfig.gluon_heads`, for 128-head models: each tile read by half as many
-programs) fits with V in 32-token slots; `mla_decode.gluon_config` takes it for wide calls
-(1.34-1.54x the 16-head form at 128 heads, batch 16-128, run AM).
+programs) fits with V in 32-token slots (1.34-1.54x the 16-head form at 128 heads, batch
+16-128, run AM); `mla_decode.gluon_config` takes it for wide calls of a latent that
+`mla_decode_gluon_wide` (64 heads a program, about 2x faster there) does not serve.
 
 Measured on an H200 (perf/RESULTS.md, run AL), page size 1: 1.08-1.15x the Triton kernel at
 batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batch >= 16

@@ -402,8 +402,12 @@ def fits(device: torch.device, num_heads: int, kv_lora_rank: int, rope_dim: int,
         return False
     hopper = torch.cuda.get_device_capability(device) == (9, 0)
     pages_ok = page_size == 1 or page_size % BLOCK_N.value == 0
-    shape_ok = num_heads >= BLOCK_H.value and kv_lora_rank == 512 and rope_dim in (32, 64)
-    return hopper and shape_ok and pages_ok
+    return hopper and serves_shape(num_heads, kv_lora_rank, rope_dim) and pages_ok
+
+
+def serves_shape(num_heads: int, kv_lora_rank: int, rope_dim: int) -> bool:
+    """The model shapes of `fits`: 64+ heads, a latent of 512, a RoPE part of 32 or 64."""
+    return num_heads >= BLOCK_H.value and kv_lora_rank == 512 and rope_dim in (32, 64)
 
 
 def launch_stage1(
