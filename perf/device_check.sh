@@ -12,8 +12,8 @@
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
-#                                                  bench_engine; tune_p1 and gluon128 only
-#                                                  when named)
+#                                                  bench_engine; tune_p1, gluon128 and
+#                                                  heads128 only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -52,14 +52,19 @@ if [[ " $STEPS " == *" tune_p1 "* ]]; then
     step tune_p1 420 python3 perf/bench_kernels.py --tune --heads 16 128 \
         --kinds ours_bf16_p1 ours_fp8_p1 ours_bf16 ours_fp8 --out "$OUT/tune_p1"
 fi
-# The Gluon kernel with 32 heads a program (MLADecodeConfig.gluon_heads, not yet run on a GPU
-# when written): its tests, then the 128-head FP8 sweep beside the Triton kernel and the
-# 16-head Gluon form, FlashMLA in the same process. Only when named
-# (`bash perf/device_check.sh gluon128`).
+# 128 heads (next GPU session: the engine's FP8 pick of 64 heads a program, `gluon_config`, has
+# not run in the engine yet): the Gluon kernels' tests and the engine's 128-head logits against
+# the Triton kernel (bf16 and FP8), then the kernel table at 128 heads (ctx 1K-16K, both
+# caches) beside FlashMLA. `heads128` times the engine's decode at 128 heads per kernel and
+# cache (perf/bench_mla_heads.py). Only when named (`bash perf/device_check.sh gluon128`).
 if [[ " $STEPS " == *" gluon128 "* ]]; then
-    step gluon128 440 bash -c "python3 -m pytest -q -p no:cacheprovider \
-        tests/kernels/test_mla_decode_gluon.py; python3 perf/bench_kernels.py --tune \
-        --heads 128 --kinds ours_fp8_p1 ours_fp8 --out '$OUT/gluon128'"
+    step gluon128 540 bash -c "python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_mla_decode_gluon.py tests/test_gluon_decode_option.py; \
+        python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 128 --out '$OUT/gluon128'"
+fi
+if [[ " $STEPS " == *" heads128 "* ]]; then
+    step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
+        --json "$OUT/heads128.json"
 fi
 if want offline_llama && [[ ! -d /tmp/rand-llama ]]; then
     python3 -m engine.tools.make_random_checkpoint --arch llama --out /tmp/rand-llama > /dev/null
