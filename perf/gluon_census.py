@@ -39,6 +39,8 @@ PATTERNS = {
     "cvt e4m3x2": r"cvt\.rn\.f16x2\.e4m3x2",
     "setmaxnreg": r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
     "local memory": r"(?:ld|st)\.local",
+    "pdl wait": r"griddepcontrol\.wait",
+    "pdl launch": r"griddepcontrol\.launch_dependents",
 }
 _INTS = (
     "stride_qb stride_qh stride_kv stride_table stride_mob stride_moh stride_mos stride_mlb "
@@ -58,6 +60,7 @@ def compile_kernel(
     q_residual: bool = True,
     v_rows: int = 64,
     heads: int = 16,
+    pdl: bool = True,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
     sig = {
@@ -68,13 +71,17 @@ def compile_kernel(
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
-        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads,
+        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
 
 def compile_wide(
-    page_size: int = 1, stages: int = 2, fp8: bool = False, q_residual: bool = True
+    page_size: int = 1,
+    stages: int = 2,
+    fp8: bool = False,
+    q_residual: bool = True,
+    pdl: bool = True,
 ) -> Any:
     """`mla_decode_wide_kernel` (64 heads a program; bf16 or e4m3 pool) as the engine launches
     it."""
@@ -87,6 +94,7 @@ def compile_wide(
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "Q_RESIDUAL": fp8 and q_residual,
+        "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon_wide.mla_decode_wide_kernel, sig, consts)
 
@@ -131,13 +139,16 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16, help="heads a program (16 or 32)")
     ap.add_argument("--wide", action="store_true", help="the kernel of 64 heads a program")
     ap.add_argument("--fp8", action="store_true", help="with --wide: over an e4m3 pool")
+    ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     args = ap.parse_args()
+    pdl = not args.no_pdl
     if args.wide:
-        kernel = compile_wide(args.page, args.stages, args.fp8, not args.one_term)
+        kernel = compile_wide(args.page, args.stages, args.fp8, not args.one_term, pdl)
     else:
         kernel = compile_kernel(
-            args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads
-        )
+            args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
+            pdl,
+        )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
     print(

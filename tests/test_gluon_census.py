@@ -1,10 +1,10 @@
 """The Gluon MLA decode kernels compile for sm_90 on any machine (perf/gluon_census.py). In the
 FP8 kernel the loader's gathers signal their mbarrier, QK stays an e4m3 wgmma and PV an fp16
 one, the partitions get their own register budgets, ptxas spills no more than the measured
-forms do, and the rings fit in shared memory; the bf16 kernel of 64 heads a program keeps its
-wgmma shapes and fits. Their results are checked on a Hopper GPU
-(tests/kernels/test_mla_decode_gluon.py). Each compiles in a process of its own: Gluon kernels
-are compiled, never interpreted."""
+forms do, the partitions that touch global memory keep the PDL contract's wait, and the
+rings fit in shared memory; the kernel of 64 heads a program keeps its wgmma shapes and
+fits. Their results are checked on a Hopper GPU (tests/kernels/test_mla_decode_gluon.py). Each
+compiles in a process of its own: Gluon kernels are compiled, never interpreted."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
     assert counts["cvt e4m3x2"] >= 128, out.stdout  # 64 x 512 a tile over 128 threads, 2 a cvt
     assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    # PDL: the loader and the attention partition wait for the previous launch (the converter
+    # touches no global memory), each then lets the next launch start.
+    assert counts["pdl wait"] == 2 and counts["pdl launch"] == 2, out.stdout
     # Register spills show only in ptxas's report (Triton's own, sm_90a; Triton 3.9 here):
     # 16 bytes for the 16-head forms at page size 1; 48-120 paged (the loader's page
     # arithmetic at 80 registers); 200 for 32 heads a program (its [512, 32] accumulator is
@@ -94,6 +97,7 @@ def test_gluon_wide_kernel_compiles_for_hopper(page: int) -> None:
     assert counts["wgmma e4m3"] == 0 and counts["cvt e4m3x2"] == 0, out.stdout
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
     assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    assert counts["pdl wait"] == 3 and counts["pdl launch"] == 3, out.stdout  # every partition
     spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
     if spills != "n/a":
         assert int(spills) <= 32, out.stdout
@@ -120,6 +124,7 @@ def test_gluon_wide_fp8_kernel_compiles_for_hopper(page: int) -> None:
     assert counts["wgmma bf16"] == 0 and counts["cvt e4m3x2"] >= 128, out.stdout
     assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
     assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
+    assert counts["pdl wait"] == 3 and counts["pdl launch"] == 3, out.stdout  # every partition
     spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
     if spills != "n/a":
         assert int(spills) <= 128, out.stdout

@@ -185,3 +185,40 @@ def test_128_heads_gluon_decode_matches_triton(
         tol = 0.02 if kv_cache_dtype == "auto" else 0.03  # one e4m3 term for q against exact q
         assert (got - triton_logits).abs().max().item() <= tol * scale
         assert (got.argmax(-1) == triton_logits.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_128_heads_pdl_launches_match_plain_launches(
+    heads128_two_layers: str, kv_cache_dtype: str
+) -> None:
+    """The Gluon kernel of 64 heads a program under programmatic dependent launch: each of its
+    partitions waits for the previous launch before it reads q or the cache or writes, so its
+    logits equal those of plain launches bitwise (8 requests, from CUDA graphs)."""
+    import random
+
+    from engine.kernels import launch as launch_mod
+
+    if not launch_mod.pdl_active(0):
+        pytest.skip("no PDL on this GPU or Triton")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 900))] for _ in range(8)]
+    forced = [[rng.randrange(100, 40000) for _ in range(8)] for _ in prompts]
+    common = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_total_tokens=16384)
+    common.update(max_running_requests=8, enable_cuda_graph=True, cuda_graph_max_bs=8)
+    wanted = launch_mod._PDL_WANTED
+    got = {}
+    for pdl in (False, True):
+        launch_mod.set_pdl(pdl)
+        try:
+            llm = LLM(heads128_two_layers, **common)  # type: ignore[arg-type]
+            assert llm.core.runner.attn_backend.gluon_decode  # type: ignore[attr-defined]
+            got[pdl] = _teacher_forced_logits(llm, prompts, forced)
+            del llm
+        finally:
+            launch_mod.set_pdl(wanted)
+    assert torch.equal(got[True], got[False]), (got[True] - got[False]).abs().max()

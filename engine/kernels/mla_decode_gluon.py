@@ -32,6 +32,11 @@ batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batc
 it serves (`EngineConfig.mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for
 it in a direct call.
 
+Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
+(`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
+reads its first tile's slot ids, and each partition that reads q or the cache or writes its
+output waits for that kernel first (`_pdl_wait`).
+
 Gluon kernels compile for the GPU only (there is no interpreter): CPU runs use the Triton
 kernel, and `tests/kernels/test_mla_decode_gluon.py` checks this one against the torch
 reference on a Hopper GPU.
@@ -49,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels.launch import is_interpreter, launch
 from engine.kernels.utils import split_bounds
@@ -65,6 +71,17 @@ LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(80)
 CONVERTER_REGS = gl.constexpr(96)
+
+
+@gluon.jit
+def _pdl_wait(USE_PDL: gl.constexpr):
+    """The PDL contract's wait (`engine.kernels.launch`): from here on the previous launch has
+    finished and its writes are visible; then the next launch may start. Each partition that
+    reads what the last launches wrote (q, the newest latent row) or writes global memory
+    calls it first."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -90,14 +107,15 @@ def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.cons
 
 @gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
-            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
     """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
     have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
 
     Eight lanes take a row's 128 bytes, 4 rows a step (against lane pairs on 32 bytes, 16 rows
     a step: 1.10x the loads' throughput on an H200, run AJ); a lane holds 16 of the tile's
     slot ids, read one tile ahead so that the copies never wait on them. The rings may hold
-    e4m3 or 16-bit elements (16 bytes a copy either way)."""
+    e4m3 or 16-bit elements (16 bytes a copy either way). The first tile's slot ids (the step's
+    inputs) are read before the PDL wait, the rows after it."""
     C: gl.constexpr = lat_ring.shape[2]
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
@@ -107,6 +125,7 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
     slot, mask = _slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
+    _pdl_wait(USE_PDL)
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
         n = start + i * BLOCK_N
@@ -174,12 +193,14 @@ def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
 def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring, pe_ring,
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
-            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):  # fmt: skip
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
+    _pdl_wait(USE_PDL)
     HEADS: gl.constexpr = p_s.shape[0]
     q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS)
     out_scale = gl.load(k_scale_ptr)
@@ -331,6 +352,7 @@ def mla_decode_fp8_ws_kernel(
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     hg = gl.program_id(0)
     split = gl.program_id(1)
@@ -376,7 +398,7 @@ def mla_decode_fp8_ws_kernel(
                     q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
                     pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                     mid_lse_ptr, b, split, hg, start, end, num_heads,
-                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
                 ),
             ),
             (_converter, (start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)),
@@ -384,7 +406,7 @@ def mla_decode_fp8_ws_kernel(
                 _loader,
                 (
                     kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                    kv_empty, PAGE_SIZE, SLOT_TABLE,
+                    kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
                 ),
             ),
         ],
@@ -434,5 +456,5 @@ def launch_stage1(
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
         V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
-        HEADS=heads, num_warps=4,
+        HEADS=heads, num_warps=4, pdl=True,
     )  # fmt: skip

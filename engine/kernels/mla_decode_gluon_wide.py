@@ -25,6 +25,9 @@ as e4m3 wgmmas straight from the ring, and the PV group first turns the tile's l
 fp16 copy (an 8-bit wgmma operand must be K-major, and V's K, the tokens, is its rows) while
 the softmax group runs QK; the e4m3 slot is then free for the loader.
 
+It is launched with programmatic dependent launch as the FP8 kernel is (`_pdl_wait` in each
+partition).
+
 Gluon compiles for the GPU only: CPU runs use the Triton kernel, and
 `tests/kernels/test_mla_decode_gluon.py` checks this one against the torch reference on a
 Hopper GPU.
@@ -44,7 +47,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from engine.kernels.launch import is_interpreter, launch
-from engine.kernels.mla_decode_gluon import BLOCK_N, CONVERT_ROWS, _barrier, _loader, _n_tiles
+from engine.kernels.mla_decode_gluon import (
+    BLOCK_N,
+    CONVERT_ROWS,
+    _barrier,
+    _loader,
+    _n_tiles,
+    _pdl_wait,
+)
 from engine.kernels.utils import split_bounds
 
 BLOCK_H = gl.constexpr(64)  # heads a program: M of every wgmma
@@ -154,7 +164,8 @@ def _issue_qk(q_s, q_pe_s, lat, pe, zero):
 def _softmax_group(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, scale_s, v_s,
                    lat_ring, pe_ring, kv_ready, kv_empty, v_ready, v_empty, p_ready, p_empty,
                    mid_o_ptr, mid_lse_ptr, b, split, hg, start, end, num_heads,
-                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh):  # fmt: skip
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q into shared memory (in e4m3 over an FP8 ring), then per tile the
     scores, the online softmax, P and its rescale factor for the PV group, and PV over V's
     first half (V: the ring's tile, or over an FP8 ring its fp16 copy v_s); then the split's
@@ -165,6 +176,7 @@ def _softmax_group(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, s
     FP8: gl.constexpr = lat_ring.dtype == gl.float8e4nv
     # NOTE: q is prepared here, not before the partitions start, so that the loader's first
     # gathers are in flight meanwhile.
+    _pdl_wait(USE_PDL)
     if FP8:
         out_scale = gl.load(k_scale_ptr)
         scale = qk_scale * out_scale / _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s)
@@ -245,7 +257,7 @@ def _softmax_group(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, s
 @gluon.jit
 def _pv_group(p_s, scale_s, v_s, lat_ring, kv_ready, kv_empty, v_ready, v_empty, p_ready,
               p_empty, mid_o_ptr, b, split, hg, start, end, num_heads,
-              stride_mob, stride_moh, stride_mos):  # fmt: skip
+              stride_mob, stride_moh, stride_mos, USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: per tile (over an FP8 ring, first its latent turned into fp16 V in v_s,
     while the softmax group runs QK), its accumulator rescaled by the softmax group's factor
     and PV over V's last half; then that output half, normalized by the factor handed over."""
@@ -260,6 +272,7 @@ def _pv_group(p_s, scale_s, v_s, lat_ring, kv_ready, kv_empty, v_ready, v_empty,
     cvt_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     n_tiles = _n_tiles(start, end)
+    _pdl_wait(USE_PDL)  # (it writes global memory; the wait costs nothing past the first)
     for i in range(n_tiles):
         s = i % STAGES
         if FP8:
@@ -309,6 +322,7 @@ def mla_decode_wide_kernel(
     num_heads, num_splits,
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, Q_RESIDUAL: gl.constexpr,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     hg = gl.program_id(0)
     split = gl.program_id(1)
@@ -369,7 +383,7 @@ def mla_decode_wide_kernel(
                     q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, scale_s, v_s,
                     lat_ring, pe_ring, kv_ready, kv_empty, v_ready, v_empty, p_ready, p_empty,
                     mid_o_ptr, mid_lse_ptr, b, split, hg, start, end, num_heads,
-                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
                 ),
             ),
             (
@@ -377,14 +391,14 @@ def mla_decode_wide_kernel(
                 (
                     p_s, scale_s, v_s, lat_ring, kv_ready, kv_empty, v_ready, v_empty, p_ready,
                     p_empty, mid_o_ptr, b, split, hg, start, end, num_heads,
-                    stride_mob, stride_moh, stride_mos,
+                    stride_mob, stride_moh, stride_mos, USE_PDL,
                 ),
             ),
             (
                 _loader,
                 (
                     kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                    kv_empty, PAGE_SIZE, SLOT_TABLE,
+                    kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
                 ),
             ),
         ],
@@ -439,5 +453,5 @@ def launch_stage1(
         kv.stride(0), table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), num_heads, mid_lse.shape[2], C=c, R=head_dim - c,
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
-        STAGES=stages, Q_RESIDUAL=fp8 and q_residual, num_warps=4,
+        STAGES=stages, Q_RESIDUAL=fp8 and q_residual, num_warps=4, pdl=True,
     )  # fmt: skip
