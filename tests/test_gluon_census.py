@@ -29,6 +29,29 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
     return [*rings, "--v-rows", str(cfg.v_rows), *heads, *terms]
 
 
+def _census(flags: list[str], pdl_partitions: int, spill_limit: int) -> tuple[dict[str, int], str]:
+    """perf/gluon_census.py's counts and report for these flags, after the checks every form
+    shares: the loader's gathers signal their mbarrier, the partitions get their own register
+    budgets, no explicit local memory, the partitions that touch global memory keep the PDL
+    contract's wait, ptxas (Triton's own, sm_90a) spills at most `spill_limit` bytes (register
+    spills show only in its report), and the kernel fits the SM's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
+    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
+    report = out.stdout
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", report, re.M)}
+    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, report
+    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, report
+    assert counts["pdl wait"] == pdl_partitions, report
+    assert counts["pdl launch"] == pdl_partitions, report
+    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", report)[1]  # type: ignore[index]
+    if spills != "n/a":
+        assert int(spills) <= spill_limit, report
+    shared_kb = float(re.search(r"shared KB ([\d.]+)", report)[1])  # type: ignore[index]
+    assert shared_kb <= H200_SHARED_KB, report
+    return counts, report
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -42,33 +65,20 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
     ],
 )
 def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
-    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
-    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
+    # Spills (Triton 3.9): 16 bytes for the 16-head forms at page size 1; 48-120 paged (the
+    # loader's page arithmetic at 80 registers); 200 for 32 heads a program (its [512, 32]
+    # accumulator is 128 registers a thread). A change that spills more shows here. PDL: the
+    # loader and the attention partition wait (the converter touches no global memory).
+    limit = 256 if "--heads" in flags else 128 if "--page" in flags else 32
+    counts, report = _census(flags, pdl_partitions=2, spill_limit=limit)
     # QK over 576: chains of 18 k-steps of 32 (q's two terms stacked as N = 32; the first
     # tile's chain issued before the loop), PV: 8 M-blocks x 4 k-steps of 16 tokens, however
     # many V slots a tile is cut into.
     wide = "--heads" in flags  # 32 heads: N of 64 (two q terms) and 32
     qk, pv = ("m64n64k32", "m64n32k16") if wide else ("m64n32k32", "m64n16k16")
-    assert counts["wgmma e4m3"] in (18, 36) and qk in out.stdout, out.stdout
-    assert counts["wgmma f16"] == 32 and pv in out.stdout, out.stdout
-    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
-    assert counts["cvt e4m3x2"] >= 128, out.stdout  # 64 x 512 a tile over 128 threads, 2 a cvt
-    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
-    # PDL: the loader and the attention partition wait for the previous launch (the converter
-    # touches no global memory), each then lets the next launch start.
-    assert counts["pdl wait"] == 2 and counts["pdl launch"] == 2, out.stdout
-    # Register spills show only in ptxas's report (Triton's own, sm_90a; Triton 3.9 here):
-    # 16 bytes for the 16-head forms at page size 1; 48-120 paged (the loader's page
-    # arithmetic at 80 registers); 200 for 32 heads a program (its [512, 32] accumulator is
-    # 128 registers a thread). A change that spills more shows here.
-    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
-    limit = 256 if "--heads" in flags else 128 if "--page" in flags else 32
-    if spills != "n/a":
-        assert int(spills) <= limit, out.stdout
-    shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
-    assert shared_kb <= H200_SHARED_KB, out.stdout
+    assert counts["wgmma e4m3"] in (18, 36) and qk in report, report
+    assert counts["wgmma f16"] == 32 and pv in report, report
+    assert counts["cvt e4m3x2"] >= 128, report  # 64 x 512 a tile over 128 threads, 2 a cvt
 
 
 def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
@@ -86,23 +96,12 @@ def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
 def test_gluon_wide_kernel_compiles_for_hopper(page: int) -> None:
     """The bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`): QK as one m64n64k16
     chain over 576 (36 k-steps), PV as m64n256k16 in each of the two warp groups (4 k-steps of
-    16 tokens each), the loader's gathers signalling their mbarrier, q + 2 tiles + P within the
-    SM's shared memory, and no register spills (none at Triton 3.9)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), "--wide", "--page", str(page)]
-    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
-    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
-    assert counts["wgmma bf16"] == 36 + 2 * 4, out.stdout
-    assert "m64n64k16" in out.stdout and "m64n256k16" in out.stdout, out.stdout
-    assert counts["wgmma e4m3"] == 0 and counts["cvt e4m3x2"] == 0, out.stdout
-    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
-    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
-    assert counts["pdl wait"] == 3 and counts["pdl launch"] == 3, out.stdout  # every partition
-    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
-    if spills != "n/a":
-        assert int(spills) <= 32, out.stdout
-    shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
-    assert shared_kb <= H200_SHARED_KB, out.stdout
+    16 tokens each), every partition waiting under PDL, and no register spills (none at Triton
+    3.9)."""
+    counts, report = _census(["--wide", "--page", str(page)], pdl_partitions=3, spill_limit=32)
+    assert counts["wgmma bf16"] == 36 + 2 * 4, report
+    assert "m64n64k16" in report and "m64n256k16" in report, report
+    assert counts["wgmma e4m3"] == 0 and counts["cvt e4m3x2"] == 0, report
 
 
 @pytest.mark.parametrize("page", [1, 64])
@@ -110,23 +109,12 @@ def test_gluon_wide_fp8_kernel_compiles_for_hopper(page: int) -> None:
     """The engine's pick for wide FP8 calls (`gluon_config`: 64 heads a program, q as one e4m3
     term, 3 tiles): QK as one m64n64k32 e4m3 chain over 576 (18 k-steps), PV as m64n256k16 fp16
     in each warp group, V's latent converted from e4m3 (64 x 512 a tile over the PV group's
-    128 threads, 2 a cvt), within the SM's shared memory; ptxas spilled 16 bytes at page size
-    1 and 112 paged (Triton 3.9; the loader's page arithmetic, as in the 16-head kernel)."""
+    128 threads, 2 a cvt); ptxas spilled 16 bytes at page size 1 and 112 paged (Triton 3.9; the
+    loader's page arithmetic, as in the 16-head kernel)."""
     cfg = gluon_config(128, 64, 4096)
     flags = ["--wide", "--fp8", "--page", str(page), "--stages", str(cfg.num_stages)]
     flags += [] if cfg.q_residual else ["--one-term"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
-    out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
-    counts = {m[1]: int(m[2]) for m in re.finditer(r"^  ([\w. ]+): (\d+)", out.stdout, re.M)}
-    assert counts["wgmma e4m3"] == 18 and "m64n64k32" in out.stdout, out.stdout
-    assert counts["wgmma f16"] == 2 * 4 and "m64n256k16" in out.stdout, out.stdout
-    assert counts["wgmma bf16"] == 0 and counts["cvt e4m3x2"] >= 128, out.stdout
-    assert counts["cp.async 16B"] > 0 and counts["cp.async arrive"] > 0, out.stdout
-    assert counts["setmaxnreg"] > 0 and counts["local memory"] == 0, out.stdout
-    assert counts["pdl wait"] == 3 and counts["pdl launch"] == 3, out.stdout  # every partition
-    spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", out.stdout)[1]  # type: ignore[index]
-    if spills != "n/a":
-        assert int(spills) <= 128, out.stdout
-    shared_kb = float(re.search(r"shared KB ([\d.]+)", out.stdout)[1])  # type: ignore[index]
-    assert shared_kb <= H200_SHARED_KB, out.stdout
+    counts, report = _census(flags, pdl_partitions=3, spill_limit=128)
+    assert counts["wgmma e4m3"] == 18 and "m64n64k32" in report, report
+    assert counts["wgmma f16"] == 2 * 4 and "m64n256k16" in report, report
+    assert counts["wgmma bf16"] == 0 and counts["cvt e4m3x2"] >= 128, report

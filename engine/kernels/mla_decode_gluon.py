@@ -85,6 +85,20 @@ def _pdl_wait(USE_PDL: gl.constexpr):
 
 
 @gluon.jit
+def _program_tokens(seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits,
+                    HAS_ROW_IDX: gl.constexpr):  # fmt: skip
+    """This program's head group, split and request (grid axes 0-2), its request's slot-table
+    row, and the split's token range [start, end)."""
+    hg = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    row, start, end = split_bounds(
+        seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
+    )
+    return hg, split, b, table_ptr + row * stride_table, start, end
+
+
+@gluon.jit
 def _n_tiles(start, end):
     return gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
@@ -354,13 +368,9 @@ def mla_decode_fp8_ws_kernel(
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
-    hg = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    row, start, end = split_bounds(
-        seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
+    hg, split, b, table_row, start, end = _program_tokens(
+        seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
     )
-    table_row = table_ptr + row * stride_table
 
     # NOTE: with Q_RESIDUAL q's two terms are the stacked rows of one operand
     # [2 x HEADS, C + R] (terms of head h in rows h and HEADS + h): QK is one m64n32 (m64n64

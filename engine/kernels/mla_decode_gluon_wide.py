@@ -54,8 +54,8 @@ from engine.kernels.mla_decode_gluon import (
     _loader,
     _n_tiles,
     _pdl_wait,
+    _program_tokens,
 )
-from engine.kernels.utils import split_bounds
 
 BLOCK_H = gl.constexpr(64)  # heads a program: M of every wgmma
 LOADER_WARPS = gl.constexpr(1)
@@ -324,13 +324,9 @@ def mla_decode_wide_kernel(
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, Q_RESIDUAL: gl.constexpr,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
-    hg = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    row, start, end = split_bounds(
-        seq_lens_ptr, row_idx_ptr, b, split, num_splits, HAS_ROW_IDX, BLOCK_N
+    hg, split, b, table_row, start, end = _program_tokens(
+        seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
     )
-    table_row = table_ptr + row * stride_table
     q_base = q_ptr + b.to(gl.int64) * stride_qb
     kv_dtype: gl.constexpr = kv_ptr.dtype.element_ty
     FP8: gl.constexpr = kv_dtype == gl.float8e4nv
