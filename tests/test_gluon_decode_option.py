@@ -17,6 +17,10 @@ from engine.executor.model_runner import ModelRunner
 
 GLUON = dict(kv_cache_dtype="fp8_e4m3", mla_decode_kernel="gluon")
 CPU = dict(device="cpu", dtype="float32", max_total_tokens=256, max_context_len=64)
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
 
 
 def test_option_is_validated() -> None:
@@ -83,10 +87,7 @@ def test_refused_outside_the_triton_backend(tiny_mla, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs a Hopper GPU (sm_90)",
-)
+@HOPPER
 def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # noqa: F811
     """DeepSeek-V2-Lite's shape, FP8 cache, teacher-forced: the Gluon kernel's decode logits
     against the Triton kernel's (the same two-term q, the same cache), eager and from graphs."""
@@ -138,10 +139,7 @@ def heads128_two_layers(tmp_path_factory: pytest.TempPathFactory, default_tokeni
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs a Hopper GPU (sm_90)",
-)
+@HOPPER
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_128_heads_gluon_decode_matches_triton(
     heads128_two_layers: str, kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch
@@ -188,10 +186,7 @@ def test_128_heads_gluon_decode_matches_triton(
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs a Hopper GPU (sm_90)",
-)
+@HOPPER
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_128_heads_pdl_launches_match_plain_launches(
     heads128_two_layers: str, kv_cache_dtype: str
