@@ -311,6 +311,10 @@ GLUON = [
     MLADecodeConfig(16, 64, 4, 4, 1.0, 128, q_residual=True, gluon=3, v_rows=16),
     MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=4, v_rows=16),
     MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=2, v_rows=32),
+    # PV as an e4m3 wgmma over a transposed e4m3 V (2 e4m3 tiles, 2 V^T slots), q as two
+    # terms or one.
+    MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True),
+    MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2, pv_e4m3=True),
 ]
 # The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
 # read by half as many programs; V in 32-token slots so that it fits).
@@ -388,7 +392,7 @@ TUNE = {
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
-    flags += (cfg.gluon_heads,)
+    flags += (cfg.gluon_heads, cfg.pv_e4m3)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,6 +41,10 @@ PATTERNS = {
     "cvt e4m3x2": r"cvt\.rn\.f16x2\.e4m3x2",
     "setmaxnreg": r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
     "local memory": r"(?:ld|st)\.local",
+    "stmatrix": r"stmatrix\.sync\.aligned\.\w+",
+    "shared stores": r"st\.shared\.[\w.]+",
+    "shared loads": r"ld\.shared\.[\w.]+",
+    "bar.sync": r"bar\.sync",
     "pdl wait": r"griddepcontrol\.wait",
     "pdl launch": r"griddepcontrol\.launch_dependents",
 }
@@ -61,6 +67,7 @@ def compile_kernel(
     v_rows: int = 64,
     heads: int = 16,
     pdl: bool = True,
+    pv_e4m3: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
     sig = {
@@ -71,7 +78,8 @@ def compile_kernel(
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
-        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "USE_PDL": pdl,
+        "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
+        "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
@@ -97,6 +105,33 @@ def compile_wide(
         "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon_wide.mla_decode_wide_kernel, sig, consts)
+
+
+@gluon.jit
+def _transposer_conflicts() -> None:
+    """Prints the shared-memory bank conflicts (excess wavefronts an access) of the e4m3-PV
+    transposer's loads (`TRANSPOSE_LAYOUT` from the 128-byte-swizzled ring) and stores (its
+    relabelled registers into a 128-byte-swizzled V^T slot; a tile fills half of each row,
+    modelled here as both halves, one register bit apart)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    src = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], layout)
+    x = src.load(mla_decode_gluon.TRANSPOSE_LAYOUT)
+    gl.static_print("  transposer load conflicts:", gl.bank_conflicts(x.type, src.type))
+    z = mla_decode_gluon._v_transposed(x)
+    both = gl.reshape(gl.permute(gl.join(z, z), (0, 2, 1)), [128, 128])
+    dst = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], layout)
+    gl.static_print("  transposer store conflicts:", gl.bank_conflicts(both.type, dst.type))
+
+
+def transposer_conflicts() -> None:
+    """Compile `_transposer_conflicts` (its prints are the report: traced anew each time, not
+    taken from Triton's cache)."""
+    from triton import knobs
+
+    src = GluonASTSource(fn=_transposer_conflicts, signature={}, constexprs={}, attrs={})
+    with knobs.compilation.scope():
+        knobs.compilation.always_compile = True
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any]) -> Any:
@@ -140,6 +175,7 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the kernel of 64 heads a program")
     ap.add_argument("--fp8", action="store_true", help="with --wide: over an e4m3 pool")
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
+    ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
     args = ap.parse_args()
     pdl = not args.no_pdl
     if args.wide:
@@ -147,7 +183,7 @@ def main() -> None:
     else:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl,
+            pdl, args.pv_e4m3,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
@@ -159,7 +195,9 @@ def main() -> None:
         found = re.findall(pattern, ptx)
         print(f"  {name}: {len(found)} {sorted(set(found))[:4]}")
     spills = ptxas_spill_bytes(ptx)
-    print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes")
+    print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes", flush=True)
+    if args.pv_e4m3:
+        transposer_conflicts()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,19 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     assert counts["cvt e4m3x2"] >= 128, report  # 64 x 512 a tile over 128 threads, 2 a cvt
 
 
+def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
+    """`pv_e4m3`: PV as e4m3 wgmmas too (m64n16k32: 8 M-blocks x 2 k-steps of 32 tokens, beside
+    QK's 36 m64n32k32), none in fp16; the transposer's stores go out as stmatrix, and its loads
+    and stores are free of bank conflicts (`gl.bank_conflicts`; a plain 4 x 4 block transpose
+    counts 7 excess wavefronts a store); q (two terms), 2 e4m3 tiles, 2 V^T slots and P fit."""
+    counts, report = _census(["--pv-e4m3"], pdl_partitions=2, spill_limit=32)
+    assert counts["wgmma e4m3"] == 36 + 16, report
+    assert "m64n16k32" in report and "m64n32k32" in report, report
+    assert counts["wgmma f16"] == 0 and counts["stmatrix"] > 0, report
+    assert "transposer load conflicts: 0" in report, report
+    assert "transposer store conflicts: 0" in report, report
+
+
 def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
     """At 128 heads the engine takes 64 heads a program from batch 8 (q as one e4m3 term, 3
     tiles), and keeps 16 at batch 1; the 32-head form serves a latent the wide kernel does not."""

@@ -442,6 +442,11 @@ class MLADecodeConfig(NamedTuple):
     # of 64 heads a program (`mla_decode_gluon_wide`, num_stages e4m3 tiles, q_residual as for
     # the others; `gluon_config` takes it for wide calls where the shape allows, else 32).
     gluon_heads: int = 16
+    # With gluon (the FP8 kernel, 16 or 32 heads a program): PV as an e4m3 wgmma, V written
+    # transposed in e4m3 (`mla_decode_gluon._transposer`: half the shared-memory traffic of
+    # the fp16 copy, bank-conflict free) and P in e4m3; gluon V^T slots of a whole tile
+    # (v_rows 64). Not yet timed on a GPU.
+    pv_e4m3: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -626,6 +631,7 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
+            cfg.pv_e4m3,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

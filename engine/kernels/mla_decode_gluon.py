@@ -32,6 +32,12 @@ batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batc
 it serves (`EngineConfig.mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for
 it in a direct call.
 
+`MLADecodeConfig.pv_e4m3` runs PV as an e4m3 wgmma instead (as FlashMLA's FP8 kernel does):
+the converter warps write each tile's latent transposed, in e4m3, into a V^T ring
+(`_transposer`: 32 KB written a tile instead of 64, bank-conflict free by the lane layout and
+the token and row orders it picks), and P goes to shared memory in e4m3 (times 256) in the
+same token order. Written without a GPU: its tests and timing are for the next GPU session.
+
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
 reads its first tile's slot ids, and each partition that reads q or the cache or writes its
@@ -71,6 +77,21 @@ LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(80)
 CONVERTER_REGS = gl.constexpr(96)
+# With e4m3 PV: P in e4m3 times this (p <= 1, so at most 256 of e4m3's 448; a power of two).
+P_SCALE = gl.constexpr(256.0)
+TRANSPOSE_DIMS = gl.constexpr(128)  # latent columns a transposer step moves
+# The transposer's loads, [64 tokens, 128 latent columns] over 4 warps: registers u (columns
+# 0-1), k (tokens 3-4), g (token 5) and a column bit 6; lanes i (tokens 0-2) and q (columns
+# 2-3); warps: columns 4-5 (`_transposer`).
+TRANSPOSE_LAYOUT = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0], [32, 0], [0, 64]],
+        lane_bases=[[1, 0], [2, 0], [4, 0], [0, 4], [0, 8]],
+        warp_bases=[[0, 16], [0, 32]],
+        block_bases=[],
+        shape=[64, 128],
+    )
+)
 
 
 @gluon.jit
@@ -157,7 +178,16 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
 def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty):
     """Four warps: per tile, the e4m3 latent turned into fp16 V ring slots of V_ROWS rows each
     (a slot signalled as soon as it is written); the e4m3 slot is then released (with the
-    attention partition's QK)."""
+    attention partition's QK). An e4m3 V ring takes the tile transposed instead
+    (`_transposer`)."""
+    if v_ring.dtype == gl.float8e4nv:
+        _transposer(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)
+    else:
+        _to_fp16(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)
+
+
+@gluon.jit
+def _to_fp16(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty):
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
     V_ROWS: gl.constexpr = v_ring.shape[1]
@@ -181,6 +211,68 @@ def _converter(start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empt
             _barrier()
             mbarrier.arrive(v_ready.index(t))
         mbarrier.arrive(kv_empty.index(s))
+
+
+@gluon.jit
+def _transposer(start, end, lat_ring, vt_ring, kv_ready, kv_empty, v_ready, v_empty):
+    """Four warps: per tile, the e4m3 latent [tokens, C] written as V^T [C, tokens] into the
+    first 64 columns of a V^T ring slot [C, 128] (K-major, as an 8-bit wgmma operand must be),
+    in e4m3: half the bytes of an fp16 copy, and no conversion.
+
+    Each thread loads 4 bytes (4 latent columns) of 4 tokens and stores 4 bytes (4 tokens) of
+    4 V^T rows, the bytes regrouped in registers. Lanes take tokens 8k + i (k = 0..3, i the
+    lane's 3 low bits) so that a load's 8 lanes of a 16-byte column chunk hit the 8 rows of a
+    128-byte swizzle atom; the V^T columns hold tokens in the order `_v_token_order` gives
+    (P is stored in the same order), and the V^T rows the latent columns in the order
+    `_v_rows_to_latent` undoes, so that the stores fill all 32 banks too: `gl.bank_conflicts`
+    counts no excess wavefront either way (Triton 3.6). A row of 128 bytes (two tiles' width)
+    keeps the 128-byte swizzle, which the 32-bank spread needs; the second half is unused."""
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    V_STAGES: gl.constexpr = vt_ring.shape[0]
+    C: gl.constexpr = lat_ring.shape[2]
+    for i in range(_n_tiles(start, end)):
+        s = i % STAGES
+        t = i % V_STAGES
+        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(v_empty.index(t), ((i // V_STAGES) & 1) ^ 1)
+        for d0 in gl.static_range(0, C, TRANSPOSE_DIMS):
+            x = lat_ring.index(s).slice(d0, TRANSPOSE_DIMS, dim=1).load(TRANSPOSE_LAYOUT)
+            dst = vt_ring.index(t).slice(d0, TRANSPOSE_DIMS, dim=0).slice(0, BLOCK_N, dim=1)
+            dst.store(_v_transposed(x))
+        # Every warp's stores reach the async proxy (the wgmma) before one thread signals.
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(v_ready.index(t))
+        mbarrier.arrive(kv_empty.index(s))
+
+
+@gluon.jit
+def _v_transposed(x):
+    """x [64 tokens, 128 columns] as V^T [128 rows, 64 columns], a relabelling of the registers
+    (no data moves between threads): token t = 32g + 16k1 + 8k0 + 4i2 + 2i1 + i0 goes to
+    column 32g + 16i2 + 8i1 + 4i0 + 2k1 + k0 (`_v_token_order`), and latent column d = 16D +
+    8q1 + 4q0 + 2u1 + u0 to row 16D + 8u1 + 4q1 + 2q0 + u0 (`_v_rows_to_latent` inverts it)."""
+    y = gl.reshape(x, [2, 2, 2, 2, 2, 2, x.shape[1] // 16, 2, 2, 2, 2])
+    # axes: 0 g, 1 k1, 2 k0, 3 i2, 4 i1, 5 i0, 6 D, 7 q1, 8 q0, 9 u1, 10 u0
+    y = gl.permute(y, (6, 9, 7, 8, 10, 0, 3, 4, 5, 1, 2))
+    return gl.reshape(y, [x.shape[1], x.shape[0]])
+
+
+@gluon.jit
+def _v_token_order(p):
+    """p [64 tokens, N] with its tokens in the V^T ring's column order (`_v_transposed`)."""
+    y = gl.reshape(p, [2, 2, 2, 2, 2, 2, p.shape[1]])
+    y = gl.permute(y, (0, 3, 4, 5, 1, 2, 6))
+    return gl.reshape(y, [p.shape[0], p.shape[1]])
+
+
+@gluon.jit
+def _v_rows_to_latent(r):
+    """The latent column that V^T row r holds (`_v_transposed`)."""
+    u1 = (r >> 3) & 1
+    q1 = (r >> 2) & 1
+    q0 = (r >> 1) & 1
+    return (r & ~15) | (q1 << 3) | (q0 << 2) | (u1 << 1) | (r & 1)
 
 
 @gluon.jit
@@ -211,7 +303,9 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
-    units), as `store_split` writes them."""
+    units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
+    e4m3 V^T ring (`_transposer`) as an e4m3 wgmma with P in e4m3 (times P_SCALE; the row sums
+    are of the rounded P, so that the normalization matches what PV summed)."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
     _pdl_wait(USE_PDL)
@@ -222,13 +316,14 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
-    CHUNKS: gl.constexpr = BLOCK_N // v_ring.shape[1]
-    V_ROWS: gl.constexpr = v_ring.shape[1]
+    PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv
+    V_ROWS: gl.constexpr = BLOCK_N if PV8 else v_ring.shape[1]
+    CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32 if PV8 else 16]
     )
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
@@ -262,9 +357,14 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         m_new = gl.maximum(m_i, gl.max(qk, 0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
+        if PV8:
+            p8 = (p * P_SCALE).to(gl.float8e4nv)
+            l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
+            p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
+        else:
+            l_i = l_i * alpha + gl.sum(p, 0)
+            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
         m_i = m_new
-        p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         _barrier()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
@@ -274,8 +374,11 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             g = i * CHUNKS + j
             mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
             p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
-            v_j = v_ring.index(g % V_STAGES)
-            acc = warpgroup_mma(v_j.permute((1, 0)), p_j.permute((1, 0)), acc, is_async=True)
+            if PV8:
+                v_j = v_ring.index(g % V_STAGES).slice(0, BLOCK_N, dim=1)  # V^T [C, tokens]
+            else:
+                v_j = v_ring.index(g % V_STAGES).permute((1, 0))
+            acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
             if j > 0:
                 # (QK's group, issued first, is done too; its result is taken below.)
                 warpgroup_mma_wait(1, deps=(next_sq,))
@@ -287,8 +390,11 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
     if end > start:
         gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
-        inv = gl.convert_layout(out_scale / l_i, gl.SliceLayout(0, o_layout))
+        pv_scale: gl.constexpr = P_SCALE if PV8 else 1.0
+        inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, o_layout))
         offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
+        if PV8:
+            offs_c = _v_rows_to_latent(offs_c)
         offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
@@ -366,7 +472,7 @@ def mla_decode_fp8_ws_kernel(
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
-    USE_PDL: gl.constexpr = False,
+    PV_E4M3: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -383,10 +489,17 @@ def mla_decode_fp8_ws_kernel(
     f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
     q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
     q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
-    p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
     lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
     pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
-    v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, V_ROWS, C], f16_128)
+    if PV_E4M3:
+        # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
+        # what lets the transposer's stores spread over all banks.
+        e4m3_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, BLOCK_N], e4m3_p)
+        v_ring = gl.allocate_shared_memory(gl.float8e4nv, [V_STAGES, C, 2 * BLOCK_N], e4m3_128)
+    else:
+        p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
+        v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, V_ROWS, C], f16_128)
     fence_async_shared()
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -452,11 +565,14 @@ def launch_stage1(
     v_rows: int,
     q_residual: bool,
     heads: int = BLOCK_H.value,
+    pv_e4m3: bool = False,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
-    output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does."""
+    output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does. `pv_e4m3`:
+    PV as an e4m3 wgmma over a transposed e4m3 V (v_stages slots of a whole tile)."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
+    assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
     launch(
         mla_decode_fp8_ws_kernel, grid,
@@ -466,5 +582,5 @@ def launch_stage1(
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
         V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
-        HEADS=heads, num_warps=4, pdl=True,
+        HEADS=heads, PV_E4M3=pv_e4m3, num_warps=4, pdl=True,
     )  # fmt: skip

@@ -138,6 +138,40 @@ def test_gluon_ring_depths_agree(stages: int, v_stages: int, v_rows: int, q_resi
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [
+        ([1], 16, None),  # one token: P is 1 (exact in e4m3), the output its V row
+        ([37, 64, 65], 16, 1),
+        ([5, 1000, 17, 300], 16, None),
+        ([3, 200], 20, 8),  # a mostly masked second head group; empty splits
+        ([4100], 16, 2),  # the V^T ring wraps many times
+    ],
+)
+@pytest.mark.parametrize("q_residual", [True, False])
+def test_gluon_e4m3_pv_matches_reference(
+    seq_lens: list[int], heads: int, splits: int | None, q_residual: bool
+) -> None:
+    """PV as an e4m3 wgmma over V transposed in e4m3 (`pv_e4m3`): the torch reference's answer
+    within the error P's e4m3 rounding adds to the fp16-PV form's (FlashMLA FP8 rounds P
+    alike), and close to that form itself. A wrong V^T layout, token order or row order
+    would show as an O(1) error."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=len(seq_lens) + 7)
+    args = (q, kv8, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    cfg = _gluon(q_residual=q_residual)
+    base = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
+    out = mla_decode(
+        *args, k_scale=k_scale, num_kv_splits=splits, config=cfg._replace(pv_e4m3=True)
+    )
+    assert out.shape == (len(seq_lens), heads, C) and torch.isfinite(out.float()).all()
+    limit = 2e-2 if q_residual else 8e-2
+    assert _rel_err(out, ref) < limit + 1.5e-2
+    assert _rel_err(out, base) < 2.5e-2
+    if max(seq_lens) == 1:
+        assert _rel_err(out, base) < 1e-2
+
+
 def test_gluon_matches_triton_kernel() -> None:
     """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
@@ -147,8 +181,10 @@ def test_gluon_matches_triton_kernel() -> None:
     assert _rel_err(out, triton_out) < 1e-2
 
 
-def test_gluon_paged() -> None:
-    """FlashMLA's paged layout (page 64, a block table), with a request ending mid-page."""
+@pytest.mark.parametrize("pv_e4m3", [False, True])
+def test_gluon_paged(pv_e4m3: bool) -> None:
+    """FlashMLA's paged layout (page 64, a block table), with a request ending mid-page; PV in
+    fp16 or (`pv_e4m3`) in e4m3."""
     g = torch.Generator().manual_seed(3)
     page, seq_lens, heads = 64, [1, 64, 130, 1000], 16
     max_pages = (max(seq_lens) + page - 1) // page
@@ -163,10 +199,11 @@ def test_gluon_paged() -> None:
         t.cuda() for t in (q, cache, block_table, lens, k_scale)
     )
     ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05, k_scale=k_scale)
+    cfg = _gluon()._replace(pv_e4m3=pv_e4m3)
     out = mla_decode_paged(
-        q, cache, block_table, lens, C, 0.05, k_scale=k_scale, num_kv_splits=3, config=_gluon()
+        q, cache, block_table, lens, C, 0.05, k_scale=k_scale, num_kv_splits=3, config=cfg
     )
-    assert _rel_err(out, ref) < 2e-2
+    assert _rel_err(out, ref) < (3.5e-2 if pv_e4m3 else 2e-2)
 
 
 def test_gluon_value_proj() -> None:
