@@ -86,6 +86,11 @@ class InputProcessor:
                 "stop strings need a tokenizer and the engine runs without one "
                 "(skip_tokenizer_init): use stop_token_ids"
             )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
 
 
 # Texts on which the fast encoder must agree with the tokenizer's own `__call__` before it is used

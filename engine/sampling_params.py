@@ -100,6 +100,9 @@ class SamplingParams:
                 _fail(name, getattr(self, name), "must be true or false")
         if self.seed is not None and not _is_int(self.seed):
             _fail("seed", self.seed, "must be an integer or null")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # (what a torch.Generator takes: a larger seed would fail inside the engine step)
+            _fail("seed", self.seed, "must be in [-2**63, 2**64)")
 
         if self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, "must be >= 1")

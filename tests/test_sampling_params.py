@@ -41,6 +41,8 @@ def test_defaults() -> None:
         ({"max_tokens": True}, "max_tokens", "True"),
         ({"ignore_eos": "yes"}, "ignore_eos", "'yes'"),
         ({"seed": 1.5}, "seed", "1.5"),
+        ({"seed": 2**64}, "seed", str(2**64)),  # beyond what a torch.Generator takes
+        ({"seed": -(2**63) - 1}, "seed", str(-(2**63) - 1)),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict[str, Any], field: str, value: str) -> None:
