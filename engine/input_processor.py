@@ -88,9 +88,8 @@ class InputProcessor:
             )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(
-                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+            vocab = f"[0, {self.vocab_size})"
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary {vocab}")
 
 
 # Texts on which the fast encoder must agree with the tokenizer's own `__call__` before it is used

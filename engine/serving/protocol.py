@@ -166,7 +166,8 @@ class Stream:
     req: ParsedRequest
     timer: RequestTimer = field(default_factory=RequestTimer)
     texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # every token's so far
+    logprobs_sent: int = 0  # streaming: how many of them went out
     num_output_tokens: int = 0
     replied: bool = False  # a response (not the final one) was sent
     cancelled: bool = False  # the client went away; the engine was told to abort
@@ -178,10 +179,15 @@ class Stream:
 
     def on_delta(self, out: RequestOutput) -> Reply | None:
         """What to send for this delta (None: nothing yet). A finished delta always replies."""
+        stream, returns = self.req.stream, self.req.returns
         if out.token_ids:
             self.timer.on_tokens(len(out.token_ids))
             self.num_output_tokens += len(out.token_ids)
-        stream, returns = self.req.stream, self.req.returns
+            if returns["return_logprobs"]:
+                # NOTE: kept for every token, also those whose text is held back (part of a
+                # character, or of what may be a stop string): the next reply carries them.
+                pairs = zip(out.token_ids, out.logprobs, strict=False)
+                self.logprobs.extend({str(t): {"logprob": p}} for t, p in pairs)
         if not out.finished:
             if self.cancelled:
                 return None
@@ -214,9 +220,8 @@ class Stream:
         if returns["return_cumulative_logprob"]:
             outputs.append(("cumulative_logprob", out.cumulative_logprob, "float32"))
         if returns["return_logprobs"]:
-            pairs = zip(out.token_ids, out.logprobs, strict=False)
-            new = [{str(t): {"logprob": p}} for t, p in pairs]
-            self.logprobs.extend(new)
-            chosen = new if self.req.stream else self.logprobs
+            # Streaming: the tokens since the last reply; otherwise every token's.
+            chosen = self.logprobs[self.logprobs_sent :] if self.req.stream else self.logprobs
+            self.logprobs_sent = len(self.logprobs)
             outputs.append(("logprobs", json.dumps(chosen).encode(), "object"))
         return outputs

@@ -264,6 +264,38 @@ def test_stream_replies() -> None:
     assert done == Reply(final=True, error="boom")
 
 
+def _logprob_deltas(rid: str) -> list[RequestOutput]:
+    """Four one-token deltas; the second's text is held back (part of a character)."""
+    texts = ["a", "", "\u00e9", "b"]
+    return [
+        RequestOutput(
+            rid, text=t, token_ids=[i + 1], logprobs=[-0.1 * (i + 1)], finished=i == 3,
+            finish_reason="length" if i == 3 else None,
+        )
+        for i, t in enumerate(texts)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_cover_every_token(stream: bool) -> None:
+    """`return_logprobs` gives one entry a generated token: all of them at the end without
+    streaming; streaming, each reply those since the last, a held-back token's with the next."""
+    returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_logprobs": True}
+    s = Stream("r", None, ParsedRequest("P", SamplingParams(), stream, returns))
+    replies = [s.on_delta(d) for d in _logprob_deltas("r")]
+    sent = [
+        json.loads(dict((n, v) for n, v, _ in r.outputs)["logprobs"])
+        for r in replies
+        if r is not None
+    ]
+    expected = [{str(i + 1): {"logprob": pytest.approx(-0.1 * (i + 1))}} for i in range(4)]
+    assert [e for part in sent for e in part] == expected
+    if stream:
+        assert replies[1] is None and len(sent) == 3  # the held-back token's went with the next
+    else:
+        assert replies[:3] == [None, None, None] and len(sent) == 1
+
+
 def test_coalesce_merges_each_requests_queued_deltas() -> None:
     a1 = RequestOutput("a", text="He", token_ids=[1], logprobs=[-0.1], num_output_tokens=1)
     b1 = RequestOutput("b", text="x", token_ids=[7], num_output_tokens=1)
