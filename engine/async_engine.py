@@ -34,6 +34,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._accepting = threading.Lock()  # a request is queued wholly before a stop, or refused
         self._stats = self.core.stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -61,7 +62,10 @@ class AsyncEngine:
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         ids = self.core.inputs.process(prompt, params)
-        self._submit(lambda: self._add(request_id, ids, params, callback))
+        with self._accepting:
+            if self._stop.is_set():
+                raise RuntimeError("the engine is shut down")
+            self._submit(lambda: self._add(request_id, ids, params, callback))
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, callback: Callback) -> None:
         try:
@@ -99,8 +103,10 @@ class AsyncEngine:
         return self._stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop (requests in flight end with "abort"), then the model's workers."""
-        self._stop.set()
+        """Stop the loop (requests in flight, and those queued before the stop, end with an
+        error), then the model's workers."""
+        with self._accepting:
+            self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
         self.core.shutdown()
@@ -109,13 +115,20 @@ class AsyncEngine:
         self._inbox.put(fn)
         self._wake.set()
 
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:  # one bad item must not end the loop thread (and every request)
+                logger.exception("engine inbox item failed")
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            while True:
-                try:
-                    self._inbox.get_nowait()()
-                except queue.Empty:
-                    break
+            self._run_inbox()
             try:
                 ran = self.core.step() if self.core.has_work() else False
             except Exception as e:  # keep serving: fail the requests in flight, not the server
@@ -126,4 +139,5 @@ class AsyncEngine:
             if not ran:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+        self._run_inbox()  # requests accepted before the stop: failed below, not lost
         self.core.fail_all("the engine is shutting down")

@@ -184,6 +184,20 @@ def test_async_engine_streams_and_aborts(tiny_mla) -> None:
         engine.shutdown()
 
 
+def test_async_engine_ends_requests_queued_just_before_shutdown(tiny_mla) -> None:
+    """A request accepted right before `shutdown` still gets its one final delta (an error),
+    and one added after it is refused: nothing waits forever."""
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    for _ in range(3):
+        engine = AsyncEngine(EngineConfig(model=model, dtype="float32", max_total_tokens=512))
+        got: list[RequestOutput] = []
+        engine.add_request("r1", [300, 301, 302], SamplingParams(max_tokens=4), got.append)
+        engine.shutdown()
+        assert [d.finished for d in got].count(True) == 1 and got[-1].error, got
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.add_request("r2", [300], SamplingParams(max_tokens=4), got.append)
+
+
 def test_bad_requests_fail_before_queueing(tiny_mla) -> None:
     llm = LLM(
         tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True), dtype="float32", max_total_tokens=64

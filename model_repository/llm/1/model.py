@@ -131,6 +131,7 @@ class TritonPythonModel:
                 pass
             for kind, item in coalesce(events):
                 if kind == "stop":
+                    self._end_all(f"{SHUTTING_DOWN}: request ended")
                     return
                 try:
                     self._handle(kind, item)
@@ -177,8 +178,7 @@ class TritonPythonModel:
         now, deadline = time.monotonic(), self.lifecycle.drain_deadline
         if deadline is not None and now >= deadline:
             message = f"{SHUTTING_DOWN}: request ended after the {self.lifecycle.grace_s:g} s grace"
-            for st in list(self.active.values()):
-                self._end(st, message)
+            self._end_all(message)
         for st in self.active.values():
             if not st.cancelled and st.sender.is_cancelled():
                 self._cancel(st)
@@ -193,6 +193,13 @@ class TritonPythonModel:
         st.cancelled = True
         self.engine.abort(st.request_id)  # its final delta (reason "abort") closes it
 
+    def _end_all(self, message: str) -> None:
+        for st in list(self.active.values()):
+            try:
+                self._end(st, message)
+            except Exception as e:  # one failed send must not keep the others open
+                pb_utils.Logger.log_error(f"llm: response thread: {e!r}")
+
     def _end(self, st: Any, message: str) -> None:
         del self.active[st.request_id]  # the engine's final delta for it is then ignored
         self.engine.abort(st.request_id)
@@ -202,9 +209,9 @@ class TritonPythonModel:
     # --- shutdown ---------------------------------------------------------------------------------
 
     def finalize(self) -> None:
-        # Triton calls this once in-flight requests are done (or its exit timeout ran out).
-        for request_id in list(self.active):
-            self.engine.abort(request_id)
+        # Triton calls this once in-flight requests are done (or its exit timeout ran out): the
+        # response thread ends any still running (an error with the final flag, the engine told
+        # to abort them), then stops.
         self.queue.put(("stop", None))
         self.thread.join(timeout=10)
         self.metrics.close()

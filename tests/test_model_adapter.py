@@ -1,0 +1,125 @@
+"""The Triton adapter (model_repository/llm/1/model.py) against a small fake of the Python
+backend's utilities: what a real server cannot be stopped at the right moment for. Its requests,
+streams and errors through a real tritonserver are tests/e2e's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FINAL = 1
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.responses: list[tuple[Any, int]] = []
+        self.finished = threading.Event()
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        self.responses.append((response, flags))
+        if flags & FINAL:
+            self.finished.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class _Request:
+    def __init__(self, inputs: dict[str, Any]) -> None:
+        self.inputs = {k: types.SimpleNamespace(as_numpy=lambda v=v: np.array([v], dtype=object))
+                       for k, v in inputs.items()}  # fmt: skip
+        self.sender = _Sender()
+
+    def get_response_sender(self) -> _Sender:
+        return self.sender
+
+    def parameters(self) -> str:
+        return "{}"
+
+
+def _fake_pb_utils() -> types.ModuleType:
+    """The parts of `triton_python_backend_utils` the adapter and its metrics use."""
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL  # type: ignore[attr-defined]
+    pb.TritonModelException = RuntimeError  # type: ignore[attr-defined]
+    pb.using_decoupled_model_transaction_policy = lambda config: True  # type: ignore[attr-defined]
+    quiet = staticmethod(lambda message: None)
+    pb.Logger = type("Logger", (), {"log_info": quiet, "log_warn": quiet, "log_error": quiet})  # type: ignore[attr-defined]
+    pb.TritonError = lambda message: types.SimpleNamespace(message=lambda: message)  # type: ignore[attr-defined]
+    pb.Tensor = lambda name, array: (name, array)  # type: ignore[attr-defined]
+    pb.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(  # type: ignore[attr-defined]
+        output_tensors=output_tensors, error=error
+    )
+    pb.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)  # type: ignore[attr-defined]
+    metric = types.SimpleNamespace(observe=lambda v: None, increment=lambda v: None,
+                                   set=lambda v: None, value=lambda: 0)  # fmt: skip
+    pb.MetricFamily = type(  # type: ignore[attr-defined]
+        "MetricFamily",
+        (),
+        {
+            "HISTOGRAM": "histogram", "COUNTER": "counter", "GAUGE": "gauge",
+            "__init__": lambda self, **kw: None, "Metric": lambda self, **kw: metric,
+        },
+    )  # fmt: skip
+    return pb
+
+
+@pytest.fixture
+def adapter(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The adapter's TritonPythonModel over a CPU engine in the stub's process."""
+    import dataclasses
+
+    import engine.config as engine_config
+    import engine.serving.lifecycle as lifecycle
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    monkeypatch.setattr(lifecycle, "_hook_signals", lambda fd: False)  # pytest keeps its own
+    load = engine_config.load_engine_config
+    monkeypatch.setattr(
+        engine_config,
+        "load_engine_config",
+        lambda path, root: dataclasses.replace(
+            load(path, root), model=tiny_llama, device="cpu", dtype="float32",
+            engine_process=False, max_total_tokens=4096, max_context_len=512,
+        ),
+    )  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "llm_adapter", REPO / "model_repository" / "llm" / "1" / "model.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.initialize({
+        "model_config": json.dumps({}), "model_repository": str(REPO / "model_repository" / "llm"),
+        "model_version": "1", "model_name": "llm",
+    })  # fmt: skip
+    return model
+
+
+def test_finalize_ends_requests_in_flight_once(adapter: Any) -> None:
+    """A stream still running when the stub is finalized gets an error naming the shutdown
+    with the final flag, exactly once, and nothing after it."""
+    params = json.dumps({"max_tokens": 400, "ignore_eos": True, "temperature": 0})
+    request = _Request({"text_input": b"Tell me a story", "stream": True,
+                        "sampling_parameters": params.encode()})  # fmt: skip
+    adapter.execute([request])
+    deadline = time.monotonic() + 60
+    while not request.sender.responses and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert request.sender.responses, "no token streamed"
+    adapter.finalize()
+    flags = [f for _, f in request.sender.responses]
+    assert flags.count(FINAL) == 1 and flags[-1] == FINAL, flags
+    last = request.sender.responses[-1][0]
+    assert last.error is not None and "server shutting down" in last.error.message()
