@@ -339,3 +339,90 @@ def test_batch_log_shows_the_prefill_budget_and_its_fit() -> None:
             sched.record_step(out, 0.008)
     # 25 ms + 4 us a token; (0.1 s - 25 ms) / 4 us = 18,750 tokens, capped at the chunk size
     assert _budget(sched) == "; budget 2048 (fit 25.0 ms + 4.0 us/token)"
+
+
+def test_overlap_waits_for_a_finishing_request_to_free_its_slots() -> None:
+    """Overlap schedule, a full pool: r1 ends with the token in flight, r2 needs a slot. The
+    next step is empty (r1's slots free once its token is processed), not a failure."""
+    sched = Scheduler(EngineConfig(), max_total_tokens=7, max_context_len=7, max_running=4)
+    sched.add_request(Req("r1", [1, 2, 3, 4], SamplingParams(max_tokens=1), 0))
+    sched.add_request(Req("r2", [5, 6, 7], SamplingParams(max_tokens=3), 0))
+    out = sched.schedule()
+    assert out is not None and sched.allocator.available_size() == 0
+    sched.on_batch_launched(out)
+    assert sched.schedule() is None
+
+
+def test_prefill_goes_on_when_a_new_request_finds_no_page() -> None:
+    """Pages of 4, 16 slots, 1-token chunks: a long prompt's next chunk needs no new page (its
+    last has room) while a newly arrived short prompt needs one. The long prompt goes on (the
+    short one waits, not admitted), then the short one runs: no step without work."""
+    sched = Scheduler(
+        EngineConfig(page_size=4, chunked_prefill_size=1), max_total_tokens=16,
+        max_context_len=16, max_running=4,
+    )  # fmt: skip
+    sched.add_request(Req("long", list(range(100, 115)), SamplingParams(max_tokens=1), 0))
+    for _ in range(13):  # 13 one-token chunks: 4 pages held, the last one a quarter used
+        out = sched.schedule()
+        assert out is not None
+        sched.process_batch(out, {})
+    sched.add_request(Req("short", [7], SamplingParams(max_tokens=1), 0))
+    done = []
+    for _ in range(10):
+        out = sched.schedule()
+        assert out is not None, "work queued, nothing schedulable"
+        for req in sched.process_batch(out, dict.fromkeys(out.sample_rows, 1)):
+            sched.finish(req, "length")
+            done.append(req.rid)
+        if not sched.has_work():
+            break
+    assert done == ["long", "short"]
+    sched.check_integrity()
+    assert sched.allocator.available_size() + sched.tree.total_size() == sched.allocator.size
+
+
+def test_a_partly_prefilled_prompt_is_not_starved_by_short_ones() -> None:
+    """Prompts that fit the budget go before a long prompt's chunks, but a long prompt left
+    out of PREFILL_MAX_SKIPS prefill steps in a row gets the next one."""
+    from engine.scheduler.scheduler import PREFILL_MAX_SKIPS
+
+    sched = Scheduler(
+        EngineConfig(chunked_prefill_size=16), max_total_tokens=4096, max_context_len=4096,
+        max_running=8,
+    )  # fmt: skip
+    sched.add_request(Req("long", list(range(1000, 1100)), SamplingParams(max_tokens=4), 0))
+    out = sched.schedule()
+    assert out is not None
+    sched.process_batch(out, {})
+    long = sched.prefilling[0]
+    chunks = []
+    for step in range(3 * (PREFILL_MAX_SKIPS + 1)):
+        sched.add_request(Req(f"s{step}", [step + 1] * 16, SamplingParams(max_tokens=1), 0))
+        out = sched.schedule()
+        assert out is not None
+        chunks.append(long in out.reqs)
+        for req in sched.process_batch(out, dict.fromkeys(out.sample_rows, 5)):
+            sched.finish(req, "length")
+    assert chunks.count(True) == 3 and chunks[PREFILL_MAX_SKIPS], chunks
+
+
+def test_a_small_chunked_prefill_size_holds_beside_decoding() -> None:
+    """chunked_prefill_size below MIN_PREFILL_TOKENS caps a prefill step beside decoding
+    requests too (the floor does not lift it)."""
+    sched = Scheduler(
+        EngineConfig(chunked_prefill_size=8), max_total_tokens=1000, max_context_len=1000,
+        max_running=4,
+    )  # fmt: skip
+    sched.add_request(Req("a", [1, 2, 3], SamplingParams(max_tokens=50), 0))
+    out = sched.schedule()
+    assert out is not None
+    sched.record_step(out, 0.5)
+    sched.process_batch(out, {0: 5})
+    out = sched.schedule()  # a decode step
+    assert out is not None and out.batch.mode == ForwardMode.DECODE
+    sched.record_step(out, 0.01)
+    sched.process_batch(out, {0: 6})
+    sched.add_request(Req("b", list(range(10, 110)), SamplingParams(max_tokens=5), 0))
+    out = sched.schedule()
+    assert out is not None and out.batch.mode == ForwardMode.EXTEND
+    assert out.batch.num_tokens == 8

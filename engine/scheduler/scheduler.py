@@ -29,6 +29,9 @@ from engine.scheduler.step_cost import PrefillCost
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
 MIN_PREFILL_TOKENS = 32  # a prefill step beside decoding requests takes at least this many
+# A partly prefilled request left out of this many prefill steps in a row goes first in the
+# next: prompts that fit the budget go ahead of longer ones' chunks, but not for ever.
+PREFILL_MAX_SKIPS = 8
 # A prefill step may always take this long, however short the decode steps: a pause this short
 # in a stream goes unnoticed, and on a GPU it keeps prefill chunks whole (a 2,048-token chunk of
 # a 16B MoE model takes tens of ms there), so prefill throughput does not suffer. On a CPU a
@@ -129,7 +132,8 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         if self.running and self._decode_step_s and self._prefill_cost.seen:
             limit = max(self._decode_step_s, PREFILL_STALL_S)
-            budget = self._prefill_cost.budget(limit, budget, MIN_PREFILL_TOKENS)
+            floor = min(MIN_PREFILL_TOKENS, budget)  # (a smaller chunked_prefill_size holds)
+            budget = self._prefill_cost.budget(limit, budget, floor)
         return budget
 
     def prefill_cost_fit(self) -> tuple[float, float] | None:
@@ -152,8 +156,10 @@ class Scheduler:
         candidates = list(self.prefilling) + self._waiting_order()
         # Requests that finish their input in this step first (in the policy's order), then
         # the chunks of longer ones: a short prompt never waits behind a long prompt's chunks.
-        fits = [r for r in candidates if r.fill_len - r.num_computed <= budget]
-        candidates = fits + [r for r in candidates if r.fill_len - r.num_computed > budget]
+        starved = [r for r in self.prefilling if r.prefill_skips >= PREFILL_MAX_SKIPS]
+        rest = [r for r in candidates if r not in starved]
+        fits = [r for r in rest if r.fill_len - r.num_computed <= budget]
+        candidates = starved + fits + [r for r in rest if r.fill_len - r.num_computed > budget]
         admission_open = True
         for req in candidates:
             if budget <= 0:
@@ -168,9 +174,14 @@ class Scheduler:
             # they grow past what is left.
             got = self._alloc([(req, n)], reserve=self._decode_reserve())
             if got is None:
-                if admitted_now:
-                    self._unadmit(req)
-                break
+                if not admitted_now:
+                    break
+                # Admit nobody else, but let the admitted requests go on: their next chunk may
+                # need no new page (the last one has room), and with nothing decoding nothing
+                # else would ever free memory for this one.
+                self._unadmit(req)
+                admission_open = False
+                continue
             slots = got[0]
             rewrite = admitted_now or req.rid in self._row_dirty
             self._row_dirty.discard(req.rid)
@@ -189,6 +200,8 @@ class Scheduler:
             reqs.append(req)
             budget -= n
             self.counters.computed_prefill_tokens += n
+        for req in self.prefilling:
+            req.prefill_skips = 0 if req in reqs else req.prefill_skips + 1
         if not entries:
             return None
         return ScheduleOutput(ScheduledBatch(ForwardMode.EXTEND, entries), reqs, sample_rows)
@@ -204,6 +217,7 @@ class Scheduler:
         req.kv_slots = list(match.slots)
         req.req_pool_idx = self.free_rows.pop()
         req.status = ReqStatus.PREFILL
+        req.prefill_skips = 0
         if req.num_retractions == 0:
             req.cached_tokens = len(match.slots)
             self.counters.cache_hit_tokens += len(match.slots)
@@ -220,6 +234,7 @@ class Scheduler:
             self.counters.cache_queried_tokens -= len(req.prompt_ids)
         self._release_row(req)
         req.status = ReqStatus.WAITING
+        req.kv_slots, req.last_node = [], None  # (the prefix is matched again at admission)
         self.prefilling.remove(req)
         self.waiting.insert(0, req)
 
@@ -238,6 +253,10 @@ class Scheduler:
         while got is None:
             # Retract the newest admitted request, but keep at least one decoding.
             victims = self.prefilling + (decoding if len(decoding) > 1 else [])
+            if not victims and len(decoding) < len(self.running):
+                # Requests whose last token is in the step in flight (overlap schedule) hold
+                # slots they free once it is processed: decode next step, not fail now.
+                return None
             if not victims:
                 raise RuntimeError("the KV pool cannot hold one request; raise max_total_tokens")
             victim = max(victims, key=lambda r: r.arrival)
