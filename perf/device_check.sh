@@ -12,8 +12,8 @@
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
-#                                                  bench_engine; tune_p1, gluon128 and
-#                                                  heads128 only when named)
+#                                                  bench_engine; tune_p1, gluon16, gluon128
+#                                                  and heads128 only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -61,6 +61,19 @@ if [[ " $STEPS " == *" gluon128 "* ]]; then
     step gluon128 540 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_mla_decode_gluon.py tests/test_gluon_decode_option.py; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 128 --out '$OUT/gluon128'"
+fi
+# 16 heads (next GPU session): the FP8 Gluon kernel's e4m3-PV form (`pv_e4m3`, written without
+# a GPU) against its tests, then the Gluon tune at 16 heads (its forms beside the fp16-PV ones,
+# FlashMLA in the same process), and the kernel table with PDL off and on (the Gluon kernels
+# launch with PDL since run AM). Only when named (`bash perf/device_check.sh gluon16`).
+if [[ " $STEPS " == *" gluon16 "* ]]; then
+    step gluon16 570 bash -c "python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_mla_decode_gluon.py -k 'e4m3_pv or paged or matches_reference'; \
+        python3 perf/bench_kernels.py --tune --gluon-only --heads 16 --kinds ours_fp8_p1 \
+        --batches 1 16 128 --contexts 1024 16384 --out '$OUT/gluon16'; \
+        ENGINE_PDL=0 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
+        --out '$OUT/gluon16_nopdl'; \
+        python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --out '$OUT/gluon16_pdl'"
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
