@@ -426,3 +426,21 @@ def test_a_small_chunked_prefill_size_holds_beside_decoding() -> None:
     out = sched.schedule()
     assert out is not None and out.batch.mode == ForwardMode.EXTEND
     assert out.batch.num_tokens == 8
+
+
+def test_a_request_that_cannot_fit_leaves_the_cache_alone() -> None:
+    """A prompt that would not fit even with every cached prefix evicted waits without
+    evicting them (they still serve the requests that match them)."""
+    sched = Scheduler(EngineConfig(), max_total_tokens=64, max_context_len=64, max_running=4)
+    sched.add_request(Req("a", list(range(1, 21)), SamplingParams(max_tokens=1), 0))
+    out = sched.schedule()
+    assert out is not None
+    for req in sched.process_batch(out, dict.fromkeys(out.sample_rows, 5)):
+        sched.finish(req, "length")
+    cached = sched.tree.evictable_size()
+    assert cached >= 20
+    sched.add_request(Req("b", list(range(100, 140)), SamplingParams(max_tokens=30), 0))
+    sched.add_request(Req("c", list(range(200, 250)), SamplingParams(max_tokens=1), 0))
+    out = sched.schedule()  # b runs; c (50 tokens) cannot fit beside it even with a evicted
+    assert out is not None and [r.rid for r in out.reqs] == ["b"]
+    assert sched.tree.evictable_size() + sched.tree.protected_size() >= cached

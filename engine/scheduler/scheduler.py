@@ -303,10 +303,10 @@ class Scheduler:
         pages = [self._pages_needed(req, n) for req, n in wants]
         need = sum(pages) * p + reserve
         short = need - self.allocator.available_size()
+        if short > self.tree.evictable_size():
+            return None  # (evicting would not be enough: the cached prefixes stay)
         if short > 0:
             self.tree.evict(short)
-        if self.allocator.available_size() < need:
-            return None
         out = []
         for (req, n), k in zip(wants, pages, strict=True):
             firsts = iter(self.allocator.alloc_pages(k) or [])
