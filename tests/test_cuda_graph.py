@@ -149,23 +149,13 @@ def test_failed_capture_falls_back_to_eager(
 
 
 @pytest.fixture(scope="module")
-def v2lite_two_layers(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str) -> str:
+def v2lite_two_layers(tiny_mla) -> str:
     """DeepSeek-V2-Lite's shape (hidden 2048, 16 heads, kv_lora_rank 512, 64 experts top-6 + 2
     shared), 2 of its 27 layers (one dense, one MoE), random bf16 weights."""
-    from pathlib import Path
+    from engine.tools.make_random_checkpoint import PRESETS
 
-    from engine.tools.make_random_checkpoint import PRESETS, make_checkpoint
-
-    out = tmp_path_factory.mktemp("v2lite2")
     shape = dict(PRESETS["v2-lite"], layers=2)
-    make_checkpoint(
-        out,
-        tokenizer_dir=Path(default_tokenizer),
-        weight_scale=0.02,
-        save_dtype=torch.bfloat16,
-        **shape,  # type: ignore[arg-type]
-    )
-    return str(out)
+    return str(tiny_mla("v2", weight_scale=0.02, save_dtype=torch.bfloat16, **shape))
 
 
 def _teacher_forced_logits(llm: LLM, prompts: list[list[int]], forced: list[list[int]]):

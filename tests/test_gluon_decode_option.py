@@ -118,24 +118,12 @@ def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # 
 
 
 @pytest.fixture(scope="module")
-def heads128_two_layers(tmp_path_factory: pytest.TempPathFactory, default_tokenizer: str) -> str:
+def heads128_two_layers(tiny_mla) -> str:
     """DeepSeek-V2's attention (128 heads, kv_lora_rank 512, RoPE 64) in 2 dense layers of a
     small hidden size, random bf16 weights."""
-    from pathlib import Path
-
-    from engine.tools.make_random_checkpoint import make_checkpoint
-
-    out = tmp_path_factory.mktemp("heads128")
     shape = dict(hidden_size=1024, heads=128, kv_lora_rank=512, qk_nope_head_dim=128)
     shape.update(qk_rope_head_dim=64, v_head_dim=128, layers=2, first_k_dense_replace=2)
-    make_checkpoint(
-        out,
-        tokenizer_dir=Path(default_tokenizer),
-        weight_scale=0.02,
-        save_dtype=torch.bfloat16,
-        **shape,  # type: ignore[arg-type]
-    )
-    return str(out)
+    return str(tiny_mla("v2", weight_scale=0.02, save_dtype=torch.bfloat16, **shape))
 
 
 @pytest.mark.cuda
