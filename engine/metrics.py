@@ -170,16 +170,22 @@ class MetricsExporter:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        # NOTE: the engine's counters and gauges go out every interval whatever the request
+        # traffic: waiting for a quiet interval froze them while requests kept finishing.
+        next_stats = time.monotonic() + self._interval_s
         while True:
             try:
-                item = self._queue.get(timeout=self._interval_s)
+                item = self._queue.get(timeout=max(0.0, next_stats - time.monotonic()))
             except queue.Empty:
+                pass
+            else:
+                if item is None:
+                    self._publish_stats()
+                    return
+                self._publish_timing(item)
+            if time.monotonic() >= next_stats:
                 self._publish_stats()
-                continue
-            if item is None:
-                self._publish_stats()
-                return
-            self._publish_timing(item)
+                next_stats = time.monotonic() + self._interval_s
 
     def _publish_timing(self, timing: RequestTiming) -> None:
         if timing.ttft is not None:

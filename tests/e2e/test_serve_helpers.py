@@ -183,6 +183,26 @@ def test_metrics_exporter_publishes_differences() -> None:
     assert made["llm_request_prefill_time_seconds"].metrics[0].observed == [0.125]
 
 
+def test_metrics_exporter_publishes_stats_under_steady_traffic() -> None:
+    """Requests finishing more often than the interval do not hold the engine's counters and
+    gauges back: they go out every interval."""
+    generated = [0]
+
+    def stats_fn() -> EngineStats:
+        generated[0] += 1
+        return stats(10, generated[0], {"length": 1})
+
+    FakeFamily.made.clear()
+    exporter = MetricsExporter(FakePbUtils(), {"model": "llm"}, stats_fn, interval_s=0.05)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # a request's timing every 10 ms
+        exporter.observe_request(RequestTiming(ttft=0.1, e2e=0.2))
+        time.sleep(0.01)
+    published = FakeFamily.made["llm_generation_tokens_total"].metrics[0].value
+    exporter.close()
+    assert published >= 5, published  # about 12 intervals; none went out before the fix
+
+
 def test_request_timer_splits_a_multi_token_delta() -> None:
     timer = RequestTimer(arrival=10.0)
     timer.on_tokens(1, now=10.5)
