@@ -177,18 +177,27 @@ class EngineProcess:
                         else self._callbacks.get(out.request_id)
                     )
                 if callback is not None:
-                    callback(out)
+                    _call(callback, out)
         code = self._proc.wait()
         reason = f"the engine's process exited with code {code}"
         with self._lock:
             self._gone = reason
             orphans, self._callbacks = self._callbacks, {}
         for rid, callback in orphans.items():
-            callback(_failed(rid, reason))
+            _call(callback, _failed(rid, reason))
         if not self._stopping:
             logger.error("%s", reason)
             if self._on_died is not None:
                 self._on_died(reason)
+
+
+def _call(callback: Callback, out: RequestOutput) -> None:
+    """A request's callback; one that raises is logged and the reader goes on (as the engine
+    core does), so that the other requests' deltas keep coming."""
+    try:
+        callback(out)
+    except Exception:
+        logger.exception("callback of request %s failed", out.request_id)
 
 
 def _failed(request_id: str, error: str) -> RequestOutput:

@@ -112,6 +112,19 @@ def test_duplicate_id_and_abort(engine: EngineProcess) -> None:
     assert final.finish_reason == "abort" and sum(len(d.token_ids) for d in long.deltas) < 60
 
 
+def test_a_failing_callback_leaves_the_other_requests_served(engine: EngineProcess) -> None:
+    """A request whose callback raises does not stop the reader: the next request still gets
+    its deltas."""
+
+    def broken(out: RequestOutput) -> None:
+        raise RuntimeError("a broken consumer")
+
+    engine.add_request("broken", "hi", SamplingParams(max_tokens=2), broken)
+    ok = Collector()
+    engine.add_request("fine", "hello", SamplingParams(max_tokens=2), ok)
+    assert ok.wait().error is None
+
+
 def test_start_up_errors_reach_the_caller(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config.json"):
         EngineProcess(_config(str(tmp_path)))

@@ -116,6 +116,12 @@ def scrape(srv: Server) -> dict[str, float]:
     return samples
 
 
+def finished(samples: dict[str, float], reason: str) -> float:
+    """`llm_request_finished_total` for one reason, summed over the model's instances."""
+    prefix, label = "llm_request_finished_total{", f'reason="{reason}"'
+    return sum(v for k, v in samples.items() if k.startswith(prefix) and label in k)
+
+
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

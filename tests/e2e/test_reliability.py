@@ -20,11 +20,10 @@ import tritonclient.grpc as grpcclient
 from client.stream_client import build_inputs, error_message
 from engine.serve import Server
 
-from .conftest import ENGINE_OVERRIDES, scrape, wait_for
+from .conftest import ENGINE_OVERRIDES, finished, scrape, wait_for
 from .launcher import OneStream, alive, start_launcher
 from .test_triton_server import post_json
 
-ABORTED = 'llm_request_finished_total{model="llm",reason="abort",version="1"}'
 LONG = {"max_tokens": 480, "temperature": 0, "ignore_eos": True}  # ~the whole 512 context
 
 
@@ -45,7 +44,7 @@ def assert_healthy(srv: Server) -> None:
 
 def test_disconnected_generate_is_aborted_within_2s(server: Server) -> None:
     assert wait_for(lambda: idle(server), timeout=30)
-    aborted = scrape(server).get(ABORTED, 0)
+    aborted = finished(scrape(server), "abort")
     body = json.dumps({"text_input": "Count from one:", "sampling_parameters": json.dumps(LONG)})
     conn = socket.create_connection(("127.0.0.1", server.http_port))
     conn.sendall(
@@ -61,7 +60,7 @@ def test_disconnected_generate_is_aborted_within_2s(server: Server) -> None:
     took = time.monotonic() - left
     print(f"disconnected /generate aborted {took:.2f} s after the client left")
     assert took < 2.0
-    assert scrape(server)[ABORTED] == aborted + 1
+    assert finished(scrape(server), "abort") == aborted + 1
     assert_healthy(server)
 
 

@@ -20,7 +20,7 @@ from client.stream_client import build_inputs, error_message, grpc_inputs, strea
 from engine import SamplingParams
 from engine.serve import Server
 
-from .conftest import MODEL_DIR, scrape, wait_for
+from .conftest import MODEL_DIR, finished, scrape, wait_for
 
 PROMPT = "The capital of France is"
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -134,7 +134,7 @@ def test_cancel_frees_kv_slots(server: Server) -> None:
     assert wait_for(lambda: scrape(server)["llm_num_requests_running"] == 0)
     before = scrape(server)
     idle_kv = before["llm_kv_cache_usage_ratio"]
-    aborted = before.get('llm_request_finished_total{model="llm",reason="abort",version="1"}', 0)
+    aborted = finished(before, "abort")
     stream = GrpcStream(server)
     params = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
     stream.send("long", build_inputs("Count from one to a thousand:", params))
@@ -153,9 +153,7 @@ def test_cancel_frees_kv_slots(server: Server) -> None:
 
     assert wait_for(freed, timeout=15), scrape(server)
     after = scrape(server)
-    assert after['llm_request_finished_total{model="llm",reason="abort",version="1"}'] == (
-        aborted + 1
-    )
+    assert finished(after, "abort") == aborted + 1
     assert "long" not in stream.finals or len(stream.responses["long"]) < 400
     # The server still serves.
     assert "".join(stream_grpc(server.grpc_url, build_inputs(PROMPT, GREEDY)))
@@ -243,7 +241,10 @@ def test_metrics_after_traffic(server: Server) -> None:
     m = scrape(server)
     assert 0.0 <= m["llm_kv_cache_usage_ratio"] <= 1.0
     assert "llm_prefix_cache_hit_tokens_total" in m
-    assert m['llm_request_finished_total{model="llm",reason="length",version="1"}'] > 0
+    assert finished(m, "length") > 0
+    # one series per model instance (gauges of several instances do not overwrite each other)
+    running = [k for k in m if k.startswith("llm_num_requests_running{")]
+    assert running and all('model_instance="llm' in k for k in running), running
     assert m["nv_inference_request_success"] > 0  # Triton's own metrics, same endpoint
 
 

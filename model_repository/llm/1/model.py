@@ -65,7 +65,10 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"llm: the engine runs in process {self.engine.pid}")
         else:
             self.engine = AsyncEngine(config)
+        # NOTE: one series per model instance (instance_group count > 1 runs an engine each):
+        # with model and version alone, each instance's gauges overwrote the others'.
         labels = {"model": args["model_name"], "version": args["model_version"]}
+        labels["model_instance"] = args.get("model_instance_name", "")
         self.metrics = MetricsExporter(pb_utils, labels, self.engine.stats)
         self.queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.active: dict[str, Any] = {}  # id -> protocol.Stream; only the response thread
