@@ -284,8 +284,14 @@ ENV_PREFIX = "LLM_"
 def load_engine_config(
     model_json: Path, repo_root: Path, environ: Mapping[str, str] | None = None
 ) -> EngineConfig:
-    """The served model's EngineConfig: `engine_config_dict` checked by `EngineConfig.from_dict`."""
-    return EngineConfig.from_dict(engine_config_dict(model_json, repo_root, environ))
+    """The served model's EngineConfig: `engine_config_dict` checked by `EngineConfig.from_dict`,
+    each JSON value against its field's type first."""
+    values = engine_config_dict(model_json, repo_root, environ)
+    types = {f.name: str(f.type) for f in fields(EngineConfig)}
+    for name, value in values.items():
+        if name in types and not _of_type(value, types[name]):
+            raise ConfigError(f"{name}={value!r}: expected a value of type {types[name]}")
+    return EngineConfig.from_dict(values)
 
 
 def engine_config_dict(
@@ -310,6 +316,21 @@ def engine_config_dict(
     if model and not Path(model).is_absolute():
         values["model"] = str((repo_root / model).resolve())
     return values
+
+
+def _of_type(value: Any, type_name: str) -> bool:
+    """Whether a JSON value fits a field typed `bool`, `int`, `float` or `str`, each maybe
+    `| None` (a string "auto" for a bool would otherwise read as true)."""
+    if value is None:
+        return "None" in type_name
+    base = type_name.split("|")[0].strip()
+    if base == "bool":
+        return isinstance(value, bool)
+    if base == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return base != "str" or isinstance(value, str)
 
 
 def _parse_env_value(name: str, type_name: str, raw: str) -> Any:

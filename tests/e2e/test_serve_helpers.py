@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import ConfigError, EngineConfig, engine_config_dict
+from engine.config import ConfigError, EngineConfig, engine_config_dict, load_engine_config
 from engine.metrics import MetricsExporter, RequestTimer, RequestTiming
 from engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -115,6 +115,24 @@ def test_unknown_model_json_key_is_rejected_by_name(tmp_path: Path) -> None:
     path = write_json(tmp_path, {"max_totl_tokens": 5})
     with pytest.raises(ConfigError, match="max_totl_tokens"):
         EngineConfig.from_dict(engine_config_dict(path, tmp_path, environ={}))
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        ({"enable_overlap": "auto"}, "enable_overlap='auto'"),  # a truthy string: it read as on
+        ({"max_running_requests": "32"}, "max_running_requests='32'"),
+        ({"enable_cuda_graph": 1}, "enable_cuda_graph=1"),
+    ],
+)
+def test_model_json_values_are_checked_against_their_types(
+    tmp_path: Path, values: dict[str, Any], needle: str
+) -> None:
+    path = write_json(tmp_path, values)
+    with pytest.raises(ConfigError, match=needle):
+        load_engine_config(path, tmp_path, environ={})
+    path = write_json(tmp_path, {"enable_overlap": None, "mem_fraction": 1})  # null, int as float
+    assert load_engine_config(path, tmp_path, environ={}).enable_overlap is None
 
 
 class FakeMetric:
