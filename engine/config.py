@@ -68,7 +68,10 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"no config.json in model directory {str(path)!r}")
-        raw = json.loads(config_file.read_text())
+        try:
+            raw = json.loads(config_file.read_text())
+        except ValueError as e:
+            raise ConfigError(f"cannot read {str(config_file)!r}: {e}") from e
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -77,6 +80,7 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         hf = AutoConfig.from_pretrained(str(path))
+        _refuse_unsupported(hf, raw, config_file)
         eos = _eos_token_ids(path, raw)
         heads = hf.num_attention_heads
         common: dict[str, Any] = dict(
@@ -109,6 +113,31 @@ class ModelConfig:
             head_dim=head_dim,
             **common,
         )
+
+
+def _refuse_unsupported(hf: Any, raw: dict[str, Any], config_file: Path) -> None:
+    """Raise ConfigError for what the engine would otherwise compute differently from the
+    checkpoint's model: quantized weights, activations other than SiLU, sliding-window
+    attention, and RoPE types whose frequencies change with the sequence length (longrope)."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"quantized checkpoints are not supported (quantization_config.quant_method="
+            f"{method!r} in {config_file}): use a bf16, fp16 or fp32 checkpoint"
+        )
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act={act!r} in {config_file}: only silu is supported")
+    sliding = "sliding_attention" in (getattr(hf, "layer_types", None) or [])
+    if sliding or getattr(hf, "use_sliding_window", False):
+        raise ConfigError(
+            f"sliding-window attention (use_sliding_window / sliding_window in {config_file}) "
+            "is not supported"
+        )
+    rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type == "longrope":
+        raise ConfigError(f"rope_type 'longrope' in {config_file} is not supported")
 
 
 def _eos_token_ids(path: Path, raw: dict[str, Any]) -> tuple[int, ...]:

@@ -98,3 +98,81 @@ def test_v2_lite_preset_has_the_real_shape(tmp_path: Path) -> None:
     hf = mc.hf_config
     assert (hf.n_routed_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (64, 6, 1408)
     assert hf.q_lora_rank is None and hf.rope_parameters["rope_type"] == "yarn"
+
+
+def _set_config(path: Path, **changes: object) -> Path:
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_what_the_engine_would_compute_differently_is_refused(
+    checkpoint: Path, changes: dict[str, object], needle: str
+) -> None:
+    """Options transformers would honour and the engine would not (it would run, silently
+    wrong) are refused by name."""
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_pretrained(_set_config(checkpoint, **changes))
+
+
+def test_sliding_window_and_longrope_are_refused(tiny_llama: str, tmp_path: Path) -> None:
+    path = Path(shutil.copytree(tiny_llama, tmp_path / "qwen2"))
+    _set_config(path, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    _set_config(path, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        ModelConfig.from_pretrained(path)
+    # longrope: frequencies that change past original_max_position_embeddings
+    path = Path(shutil.copytree(tiny_llama, tmp_path / "longrope"))
+    half = ModelConfig.from_pretrained(path).head_dim // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half}
+    rope.update(long_factor=[2.0] * half, original_max_position_embeddings=16)
+    _set_config(path, rope_scaling=None, rope_parameters=rope)
+    with pytest.raises(ConfigError, match="longrope"):
+        ModelConfig.from_pretrained(path)
+
+
+def test_fp8_weights_are_refused(checkpoint: Path) -> None:
+    """An FP8-quantized tensor is not cast without its scales."""
+    import torch
+
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    _edit(checkpoint, lambda t: t.__setitem__(name, t[name].to(torch.float8_e4m3fn)))
+    with pytest.raises(CheckpointError, match=f"{name}.*FP8"):
+        _load(checkpoint)
+
+
+def test_tied_embedding_stored_twice_must_agree(checkpoint: Path) -> None:
+    """config.json ties the embeddings and the checkpoint stores the LM head too: the same
+    values load; different ones are refused (one would silently replace the other)."""
+    _set_config(checkpoint, tie_word_embeddings=True)
+    embed = "model.embed_tokens.weight"
+    _edit(
+        checkpoint,
+        lambda t: (
+            t.pop("lm_head.weight", None),
+            t.__setitem__("lm_head.weight", t[embed].clone()),
+        ),
+    )
+    _load(checkpoint)
+    _edit(checkpoint, lambda t: t.__setitem__("lm_head.weight", t[embed] * 2))
+    with pytest.raises(CheckpointError, match="twice with different values"):
+        _load(checkpoint)
+
+
+def test_corrupt_files_are_named(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        _load(checkpoint)
+    (checkpoint / "config.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match="config.json"):
+        ModelConfig.from_pretrained(checkpoint)

@@ -15,10 +15,10 @@ from tqdm import tqdm
 from engine.models.base import CausalLM
 
 # Tensors that checkpoints carry but the engine does not use.
-_IGNORED = (
-    re.compile(r".*rotary_emb\.inv_freq$"),
-    re.compile(r".*\.weight_scale_inv$"),  # NOTE: FP8-quantized checkpoints are not supported yet
-)
+_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class CheckpointError(ValueError):
@@ -29,7 +29,10 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read the checkpoint index {str(index)!r}: {e!r}") from e
         return [path / name for name in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -42,7 +45,13 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Any]]:
     (`s[:]`, `s[0:4, :]`) reads only what it selects, so each TP rank reads only its shard."""
     files = checkpoint_files(path)
     for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # SafetensorError: a truncated or corrupt file
+            raise CheckpointError(f"cannot read {str(file)!r}: {e}") from e
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_slice(name)
 
@@ -81,7 +90,22 @@ def load_weights(model: CausalLM, path: str | Path, num_layers: int) -> None:
                     f"tensor {stored_name!r} has shape {shape} in the checkpoint, "
                     f"the model expects {expected}"
                 )
-            dest.copy_(tensor[:] if shard is None else tensor[shard.index(len(shape))])
+            value = tensor[:] if shard is None else tensor[shard.index(len(shape))]
+            if value.dtype in _FP8 and dest.dtype not in _FP8:
+                raise CheckpointError(
+                    f"tensor {stored_name!r} is stored in {value.dtype} (an FP8-quantized "
+                    "checkpoint): only bf16/fp16/fp32 checkpoints are supported"
+                )
+            if name in seen:
+                # NOTE: stored twice (an embedding tied to the LM head stored as both, or a
+                # tensor in two shards): one copy serves only if they agree.
+                if not torch.equal(dest, value.to(dest.dtype)):
+                    why = " (config.json ties the embeddings)" if name in tied.values() else ""
+                    raise CheckpointError(
+                        f"checkpoint {str(path)!r} stores {name!r} twice with different values{why}"
+                    )
+                continue
+            dest.copy_(value)
             seen.add(name)
     if unexpected:
         raise CheckpointError(
