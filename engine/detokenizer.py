@@ -42,7 +42,8 @@ class IncrementalDetokenizer:
       - Stop strings: once the output contains one, `stopped` is True, `stop_str` names it, the
         text is cut just before it (the stop string itself is never emitted) and every later
         `add` / `flush` returns "". A tail that could be the start of a stop string is held back
-        and released when it turns out not to be one.
+        and released when it turns out not to be one. With `min_tokens`, stop strings are looked
+        for only once more tokens than that exist, in the text that came after (vLLM's rule).
       - `text` is everything emitted so far; `output_ids` every token added.
     """
 
@@ -52,8 +53,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self._rust = rust_decoder(tokenizer)
         self.stop: list[str] = [s for s in (stop or []) if s]
@@ -122,7 +125,7 @@ class IncrementalDetokenizer:
     def _release(self, delta: str, final: bool) -> str:
         """Check stop strings on pending + delta and emit what can no longer start one."""
         pending = self._pending + delta
-        if not self.stop:
+        if not self.stop or len(self.output_ids) <= self.min_tokens:
             self._pending = ""
             return self._emit(pending)
         # NOTE: a stop string cannot start inside already emitted text: we always hold back the

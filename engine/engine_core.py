@@ -142,7 +142,7 @@ class EngineCore:
         if self.tokenizer is None:
             return NoDetokenizer()
         return IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop
+            self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop, params.min_tokens
         )
 
     def abort(self, rid: str) -> None:

@@ -28,6 +28,9 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
 
 
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature samples as greedy (as in vLLM)
+
+
 @dataclass
 class SamplingParams:
     """How to sample the continuation of one request.
@@ -38,11 +41,13 @@ class SamplingParams:
       - `top_k` of 0 or -1 means "off" and is normalized to -1.
       - `stop` is always a list of non-empty strings (None or a single string are accepted and
         normalized); `stop_token_ids` is always a list of non-negative ints.
-      - `min_tokens` suppresses EOS / stop tokens until that many tokens were generated;
+      - `min_tokens` suppresses EOS / stop tokens until that many tokens were generated, and
+        stop strings are looked for only in the text after them;
         `ignore_eos` keeps generating past EOS until `max_tokens`.
-      - `logprobs=True` asks for the log-probability of each chosen token (see `Sampler`).
+      - `logprobs=True` asks for the log-probability of each chosen token (see `Sampler`);
+        on the wire vLLM's 0 and 1 mean the same.
       - `seed` makes this request's draws reproducible regardless of the batch it runs in.
-      - Greedy decoding (`is_greedy`) is temperature == 0 or top_k == 1.
+      - Greedy decoding (`is_greedy`) is temperature 0 (or below 1e-5, as in vLLM) or top_k 1.
     """
 
     max_tokens: int = 16
@@ -83,8 +88,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the next token is the argmax of the (penalized) logits."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the next token is the argmax of the (penalized) logits: temperature 0, or
+        below 1e-5 as vLLM takes it (logits / T would overflow float32), or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise `SamplingParamsError` naming the first invalid field and its value."""
@@ -236,4 +242,10 @@ def _coerce_bool(name: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
+    if name == "logprobs" and _is_int(value) and value in (0, 1):
+        # vLLM's form: a count of top tokens. 0 (the chosen token's alone) and 1 are served;
+        # more top tokens are not, and are refused below.
+        return True
+    if name == "logprobs" and _is_int(value):
+        _fail(name, value, "only the chosen token's log-probability is served: true, false, 0 or 1")
     _fail(name, value, "must be true or false")

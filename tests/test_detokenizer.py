@@ -188,6 +188,19 @@ def test_earliest_stop_string_wins(tok: Any) -> None:
     assert d.stop_str == "beta" and "".join(deltas) + tail == "alpha "
 
 
+def test_min_tokens_hold_back_stop_strings(tok: Any) -> None:
+    """With min_tokens (vLLM's rule) a stop string counts only in the text after the first
+    min_tokens tokens: one inside them is emitted, a later one still stops."""
+    ids = tok.encode("The cat. The dog. The end.", add_special_tokens=False)
+    first = len(tok.encode("The cat.", add_special_tokens=False))
+    d = IncrementalDetokenizer(tok, [], stop=["The"], min_tokens=first)
+    emitted = "".join(d.add(t) for t in ids) + d.flush()
+    assert d.stopped and emitted == "The cat. "
+    d = IncrementalDetokenizer(tok, [], stop=["The"], min_tokens=len(ids))
+    emitted = "".join(d.add(t) for t in ids) + d.flush()
+    assert not d.stopped and emitted == tok.decode(ids)
+
+
 def test_stop_at_start_and_stop_in_prompt_ignored(tok: Any) -> None:
     prompt = tok.encode("Please STOP now.", add_special_tokens=False)
     ids = tok.encode("STOP! ok", add_special_tokens=False)

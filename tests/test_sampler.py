@@ -55,6 +55,37 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
         assert torch.equal(run(logits, [SamplingParams(temperature=1.5, top_p=1e-6)] * 8), expected)
 
 
+def test_a_tiny_temperature_is_greedy() -> None:
+    """Below 1e-5 (vLLM's bound) a temperature samples as greedy: logits / T would overflow
+    float32 (a 1e-39 temperature drew token 0 whatever the logits)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    for t in (1e-39, 1e-50, 1e-6):
+        assert SamplingParams(temperature=t).is_greedy
+        assert run(logits, [SamplingParams(temperature=t)]).item() == 1
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth() -> None:
+    """Tokens tied with the k-th largest stay (as transformers' and vLLM's top-k): bf16 logits
+    tie often, and a cut at rank k would always drop the higher ids."""
+    logits = torch.tensor([[2.0, 2.0, 2.0, 1.0]])
+    info = SamplingBatchInfo.from_params([SamplingParams(top_k=2)], [None], CPU)
+    kept = filter_probs(torch.softmax(logits, -1), info)[0] > 0
+    assert kept.tolist() == [True, True, True, False]
+    warped = TopKLogitsWarper(2)(torch.zeros(1, 1, dtype=torch.long), logits)
+    assert kept.tolist() == torch.isfinite(warped)[0].tolist()
+
+
+def test_top_p_of_one_leaves_a_row_untouched_in_a_top_p_batch() -> None:
+    """A row with top_p 1.0 beside one that filters keeps every token, bit for bit (float32
+    rounding of the running mass dropped its smallest ones): its seeded draws do not depend on
+    the batch."""
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(2, 5000) * 3, dim=-1)
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=1.0)]
+    out = filter_probs(probs, SamplingBatchInfo.from_params(params, [None, None], CPU))
+    assert torch.equal(out[1], probs[1])
+
+
 def test_mixed_batch_greedy_rows_stay_greedy() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, 300)

@@ -54,6 +54,13 @@ def test_validation_names_field_and_value(kwargs: dict[str, Any], field: str, va
     assert isinstance(e.value, ValueError)
 
 
+def test_logprobs_takes_vllms_counts_it_can_serve() -> None:
+    assert SamplingParams.from_dict({"logprobs": 1}).logprobs
+    assert SamplingParams.from_dict({"logprobs": 0}).logprobs  # the chosen token's alone
+    with pytest.raises(SamplingParamsError, match="logprobs=5: only the chosen token"):
+        SamplingParams.from_dict({"logprobs": 5})
+
+
 def test_normalization() -> None:
     p = SamplingParams(top_k=0, stop="###", stop_token_ids=None, temperature=1)  # type: ignore[arg-type]
     assert p.top_k == -1

@@ -192,11 +192,13 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     rows = host_to_device(info.sampled_rows, torch.int64, probs.device)
     vocab = probs.shape[-1]
     probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=probs.device).view(1, -1)
     if info.need_top_k:
+        # NOTE: tokens tied with the k-th stay (as HF and vLLM mask below the k-th value):
+        # bf16 logits tie often, and cutting at rank k would favour the lower token ids.
         top_ks = info.top_ks[rows]
-        top_ks = torch.where(top_ks < 1, vocab, top_ks).view(-1, 1)
-        probs_sort = probs_sort.masked_fill(rank >= top_ks, 0.0)
+        top_ks = torch.where((top_ks < 1) | (top_ks > vocab), vocab, top_ks).view(-1, 1)
+        kth = probs_sort.gather(1, top_ks - 1)
+        probs_sort = probs_sort.masked_fill(probs_sort < kth, 0.0)
     if info.need_top_p:
         # Smallest prefix whose mass reaches top_p of what top-k kept (as HF / vLLM: top-p
         # acts on the renormalized top-k distribution). A token is kept when the mass strictly
@@ -204,7 +206,8 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         cum = torch.cumsum(probs_sort, dim=-1)
         kept_mass = cum[:, -1:]
         before = cum - probs_sort
-        drop = before >= info.top_ps[rows].view(-1, 1) * kept_mass
+        top_ps = info.top_ps[rows].view(-1, 1)
+        drop = (before >= top_ps * kept_mass) & (top_ps < 1.0)  # (1.0: rounding drops no tail)
         drop[:, 0] = False
         probs_sort = probs_sort.masked_fill(drop, 0.0)
     if info.need_min_p:
