@@ -28,8 +28,13 @@ class AsyncEngine:
     thread once per delta, exactly once with `finished=True`; keep it cheap.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_dead: Callable[[str], None] | None = None) -> None:
+        """`on_dead(reason)` runs on the loop thread when the engine cannot serve again (a
+        tensor-parallel worker died), after every request has ended with that reason; later
+        requests are refused."""
         self.config = config
+        self._on_dead = on_dead
+        self.dead: str | None = None
         self.core = EngineCore(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -60,11 +65,11 @@ class AsyncEngine:
         for a prompt that cannot fit (engine.input_processor).
         """
         if self._stop.is_set():
-            raise RuntimeError("the engine is shut down")
+            raise RuntimeError(f"the engine {self._gone()}")
         ids = self.core.inputs.process(prompt, params)
         with self._accepting:
             if self._stop.is_set():
-                raise RuntimeError("the engine is shut down")
+                raise RuntimeError(f"the engine {self._gone()}")
             self._submit(lambda: self._add(request_id, ids, params, callback))
 
     def _add(self, rid: str, ids: list[int], params: SamplingParams, callback: Callback) -> None:
@@ -135,9 +140,19 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self.core.fail_all(f"engine error: {e}")
                 ran = True
+                self.dead = self.core.broken()
+                if self.dead is not None:  # unless it cannot serve again
+                    with self._accepting:
+                        self._stop.set()
+                    break
             self._stats = self.core.stats()
             if not ran:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
         self._run_inbox()  # requests accepted before the stop: failed below, not lost
-        self.core.fail_all("the engine is shutting down")
+        self.core.fail_all(self.dead or "the engine is shutting down")
+        if self.dead is not None and self._on_dead is not None:
+            self._on_dead(self.dead)
+
+    def _gone(self) -> str:
+        return "is shut down" if self.dead is None else f"failed: {self.dead}"

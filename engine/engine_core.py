@@ -278,6 +278,14 @@ class EngineCore:
         processes); the engine runs no step afterwards."""
         self.runner.shutdown()
 
+    def broken(self) -> str | None:
+        """Why this engine cannot run another step, or None: a tensor-parallel worker died
+        (every later step would fail the same way)."""
+        workers = self.runner.workers
+        if workers is not None and not workers.alive():
+            return "a tensor-parallel worker process is gone; the engine must be restarted"
+        return None
+
     def fail_all(self, error: str) -> None:
         """End every request with an error (the loop hit an exception it cannot recover from)."""
         self._launched = None

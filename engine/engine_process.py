@@ -200,6 +200,9 @@ def _call(callback: Callback, out: RequestOutput) -> None:
         logger.exception("callback of request %s failed", out.request_id)
 
 
+DEAD_POLL_S = 0.2  # the child's wait for a message, between checks that its engine lives
+
+
 def _failed(request_id: str, error: str) -> RequestOutput:
     return RequestOutput(request_id, finished=True, finish_reason="abort", error=error)
 
@@ -209,8 +212,11 @@ def _serve(conn: Connection) -> int:
     from engine.async_engine import AsyncEngine
 
     config = conn.recv()
+    died: list[str] = []
     try:
-        engine = AsyncEngine(config)
+        # NOTE: an engine that cannot serve again (a tensor-parallel worker died) ends this
+        # process, so that the parent's reader reports it (`on_died`) and the stub restarts.
+        engine = AsyncEngine(config, on_dead=died.append)
     except BaseException as e:  # a ConfigError, a missing file, out of memory, ...
         try:
             conn.send(("failed", e))
@@ -228,8 +234,10 @@ def _serve(conn: Connection) -> int:
     sender = threading.Thread(target=_send_outputs, args=(conn, engine, outbox), daemon=True)
     sender.start()
     try:
-        while True:
+        while not died:
             try:
+                if not conn.poll(DEAD_POLL_S):
+                    continue
                 message = conn.recv()
             except (EOFError, OSError):
                 break  # the parent is gone
@@ -237,7 +245,7 @@ def _serve(conn: Connection) -> int:
                 _, rid, ids, params = message
                 try:
                     engine.add_request(rid, ids, params, outbox.put)
-                except ValueError as e:  # checked by the parent already; a last guard
+                except (ValueError, RuntimeError) as e:  # checked by the parent; the engine died
                     outbox.put(_failed(rid, str(e)))
             elif message[0] == "abort":
                 engine.abort(message[1])
@@ -247,6 +255,9 @@ def _serve(conn: Connection) -> int:
         engine.shutdown()  # the last deltas ("abort") go to the outbox
         outbox.put(None)
         sender.join(10)
+    if died:
+        logger.error("the engine cannot serve again: %s", died[0])
+        return 3
     return 0
 
 

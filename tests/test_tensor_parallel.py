@@ -115,3 +115,71 @@ def test_default_model_tp2_greedy_equals_tp1(default_model: str) -> None:
 def test_tp_larger_than_kv_heads_is_a_clear_error(default_model: str) -> None:
     with pytest.raises(ConfigError, match="tp_size=4 cannot split the model's 3 KV heads"):
         LLM(default_model, dtype="float32", tp_size=4, max_total_tokens=64)
+
+
+def test_a_worker_that_cannot_take_its_device_says_so_before_hello() -> None:
+    """A worker failing before the process group (no GPU for its rank, ...) sends its error
+    instead of "hello": rank 0 raises it at once instead of waiting in the group's rendezvous
+    for its whole timeout."""
+    import multiprocessing as mp
+
+    from engine.config import EngineConfig
+    from engine.executor.tp_worker import worker_main
+
+    parent, child = mp.Pipe()
+    config = EngineConfig(device="cuda:7", tp_size=2)  # no such GPU on this machine
+    worker_main(lambda *a, **k: None, config, 1, 0, child, 1)  # type: ignore[arg-type]
+    kind, detail = parent.recv()
+    assert kind == "error" and detail, (kind, detail)
+    assert not parent.poll()
+
+
+def test_a_dead_worker_ends_the_engine_process(tiny_llama: str) -> None:
+    """A tensor-parallel worker killed under an EngineProcess: its requests end with an error,
+    and the engine's process exits so that `on_died` fires (the served stub restarts), instead
+    of a live engine failing every later request."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from engine.config import EngineConfig
+    from engine.engine_process import EngineProcess
+
+    config = EngineConfig(
+        model=tiny_llama, device="cpu", dtype="float32", max_total_tokens=512, tp_size=2
+    )
+    died: list[str] = []
+    ep = EngineProcess(config, on_died=died.append)
+    try:
+        done = threading.Event()
+        ep.add_request("r1", [1, 2, 3], PARAMS, lambda o: o.finished and done.set())
+        assert done.wait(60)
+        kids = subprocess.run(
+            ["pgrep", "-P", str(ep.pid)], capture_output=True, text=True
+        ).stdout.split()
+        workers = [k for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+        workers = [
+            k for k in workers if "resource_tracker" not in open(f"/proc/{k}/cmdline").read()
+        ]
+        assert workers, kids
+        for k in workers:
+            os.kill(int(k), signal.SIGKILL)
+        finals = []
+        for i in range(2):
+            end = threading.Event()
+            ep.add_request(
+                f"r{i + 2}",
+                [1, 2, 3],
+                PARAMS,
+                lambda o, end=end: o.finished and (finals.append(o), end.set()),
+            )
+            assert end.wait(60)
+        assert all(o.error for o in finals), finals
+        deadline = time.monotonic() + 30
+        while not died and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert died and "exited with code 3" in died[0], died
+    finally:
+        ep.shutdown()

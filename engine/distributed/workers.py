@@ -100,6 +100,27 @@ class TPWorkers:
                 raise WorkerError(f"tensor-parallel worker {w.rank} failed:\n{detail}")
             assert kind == expected, (kind, expected)
 
+    def alive(self) -> bool:
+        """Whether every worker process still runs."""
+        return all(w.process.is_alive() for w in self.workers)
+
+    def error_report(self, timeout: float = 2.0) -> str | None:
+        """A failed worker's own report (its traceback), if one arrives within `timeout`: what
+        rank 0 raises instead of the bare collective error it saw."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for w in self.workers:
+                try:
+                    if w.conn.poll():
+                        kind, detail = w.conn.recv()
+                        if kind == "error":
+                            return f"tensor-parallel worker {w.rank} failed:\n{detail}"
+                except (EOFError, OSError):
+                    continue
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S)
+
     def send(self, batch: ScheduledBatch, all_logits: bool) -> None:
         """Hand the next batch to every worker (before rank 0 runs its own share), as one flat
         buffer (`ScheduledBatch.to_bytes`)."""
@@ -123,7 +144,10 @@ class TPWorkers:
         for w in self.workers:
             w.process.join(timeout)
             if w.process.is_alive():
-                w.process.terminate()
+                w.process.terminate()  # (workers of an engine process ignore SIGTERM)
+                w.process.join(5.0)
+            if w.process.is_alive():
+                w.process.kill()
                 w.process.join(5.0)
             w.conn.close()
 

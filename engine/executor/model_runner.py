@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.parallel_state import ParallelState
-from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, start_tp_group
+from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, WorkerError, start_tp_group
 from engine.executor.compile import CompiledDecode
 from engine.executor.cuda_graph_runner import CudaGraphRunner, capture_graphs
 from engine.executor.device import resolve_device, resolve_dtype
@@ -131,8 +131,13 @@ class ModelRunner:
         try:
             with DEVICE_LOCK:  # seeds, builds and captures: no other engine's step meanwhile
                 self._init_model_and_memory()
-        except BaseException:
+        except BaseException as e:
+            # A worker that failed (out of memory on its GPU, ...) reports why; rank 0 saw only
+            # a collective that broke.
+            report = self.workers.error_report() if self.workers is not None else None
             self.shutdown()
+            if report is not None:
+                raise WorkerError(report) from e
             raise
 
     def _init_model_and_memory(self) -> None:
@@ -163,7 +168,7 @@ class ModelRunner:
             self.kv_pool,
             self.device,
             config.mla_decode_kernel,
-            num_heads=mc.num_attention_heads // self.parallel.world_size,
+            num_heads=self.parallel.shard(mc.num_attention_heads, "attention heads")[1],
         )
         self.ctx = ForwardContext(self.req_to_token, self.kv_pool, self.attn_backend)
         self.graph_runner: CudaGraphRunner | None = None
@@ -388,17 +393,28 @@ class ModelRunner:
         input token [T, V] when `all_logits`."""
         assert batch.mode == ForwardMode.DECODE or batch.num_tokens > 0
         with DEVICE_LOCK:
-            if self.workers is not None:
-                self.workers.send(batch, all_logits)
-            fb = self.prepare(batch)
-            if self.graph_runner is not None and self.graph_runner.can_run(fb):
-                return self.graph_runner.replay(fb)  # decode: one token, so last = all
-            if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
-                return self.compiled_decode.run(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)
-            if not all_logits:
-                hidden = hidden[fb.extend_lens.cumsum(0) - 1]  # each request's last token
-            return self.model.compute_logits(hidden)
+            if self.workers is None:
+                return self._forward(batch, all_logits)
+            self.workers.send(batch, all_logits)
+            try:
+                return self._forward(batch, all_logits)
+            except Exception as e:
+                report = self.workers.error_report(timeout=1.0)
+                if report is not None:
+                    raise WorkerError(report) from e
+                raise
+
+    def _forward(self, batch: ScheduledBatch, all_logits: bool) -> torch.Tensor:
+        """`forward`'s work on this rank (under DEVICE_LOCK, the workers already sent it)."""
+        fb = self.prepare(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)  # decode: one token, so last = all
+        if self.compiled_decode is not None and self.compiled_decode.can_run(fb):
+            return self.compiled_decode.run(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        if not all_logits:
+            hidden = hidden[fb.extend_lens.cumsum(0) - 1]  # each request's last token
+        return self.model.compute_logits(hidden)
 
     def _resolve_placeholders(self, ids: torch.Tensor) -> torch.Tensor:
         """Input id -(k + 1) is the k-th token sampled by the latest launched step, whose value

@@ -8,6 +8,7 @@ with `functools.partial`), so this module sits below model_runner.py and imports
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -50,14 +51,16 @@ def worker_main(
     logits' all-gather, and the broadcast of placeholder input ids under the overlap schedule."""
     torch.set_num_threads(num_threads)
     try:
-        conn.send(("hello", None))
+        # NOTE: "hello" only once the device is set: rank 0 then joins the group, and a failure
+        # before it would leave rank 0 waiting there for the group's whole timeout.
         device = resolve_device(config.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        conn.send(("hello", None))
         parallel = init_parallel_state(rank, config.tp_size, port, device)
         runner = make_runner(config, parallel=parallel)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        _report(conn, rank)
         return
     conn.send(("ready", None))
     while True:
@@ -68,5 +71,19 @@ def worker_main(
         if not data:  # rank 0's stop message
             break
         batch, all_logits = ScheduledBatch.from_bytes(data)
-        runner.forward(batch, all_logits)
+        try:
+            runner.forward(batch, all_logits)
+        except BaseException:
+            _report(conn, rank)  # rank 0's collective fails next; it reads this report
+            break
     runner.shutdown()
+
+
+def _report(conn: Connection, rank: int) -> None:
+    """This worker's traceback to its stderr and to rank 0 (which raises it as WorkerError)."""
+    detail = traceback.format_exc()
+    sys.stderr.write(f"tensor-parallel worker {rank} failed:\n{detail}")
+    try:
+        conn.send(("error", detail))
+    except OSError:
+        pass  # rank 0 is gone
