@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 Callback = Callable[[RequestOutput], None]
 STATS_INTERVAL_S = 0.1  # the child sends changed stats at least this often while idle
+DEAD_POLL_S = 0.2  # the child's wait for a message, between checks that its engine lives
 PR_SET_PDEATHSIG = 1
 _ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the `engine` package
 
@@ -198,9 +199,6 @@ def _call(callback: Callback, out: RequestOutput) -> None:
         callback(out)
     except Exception:
         logger.exception("callback of request %s failed", out.request_id)
-
-
-DEAD_POLL_S = 0.2  # the child's wait for a message, between checks that its engine lives
 
 
 def _failed(request_id: str, error: str) -> RequestOutput:

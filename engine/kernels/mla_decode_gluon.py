@@ -249,18 +249,19 @@ def _transposer(start, end, lat_ring, vt_ring, kv_ready, kv_empty, v_ready, v_em
 @gluon.jit
 def _v_transposed(x):
     """x [64 tokens, 128 columns] as V^T [128 rows, 64 columns], a relabelling of the registers
-    (no data moves between threads): token t = 32g + 16k1 + 8k0 + 4i2 + 2i1 + i0 goes to
-    column 32g + 16i2 + 8i1 + 4i0 + 2k1 + k0 (`_v_token_order`), and latent column d = 16D +
-    8q1 + 4q0 + 2u1 + u0 to row 16D + 8u1 + 4q1 + 2q0 + u0 (`_v_rows_to_latent` inverts it)."""
-    y = gl.reshape(x, [2, 2, 2, 2, 2, 2, x.shape[1] // 16, 2, 2, 2, 2])
-    # axes: 0 g, 1 k1, 2 k0, 3 i2, 4 i1, 5 i0, 6 D, 7 q1, 8 q0, 9 u1, 10 u0
-    y = gl.permute(y, (6, 9, 7, 8, 10, 0, 3, 4, 5, 1, 2))
+    (no data moves between threads): the tokens in `_v_token_order`'s order (P's), and latent
+    column d = 16D + 8q1 + 4q0 + 2u1 + u0 to row 16D + 8u1 + 4q1 + 2q0 + u0
+    (`_v_rows_to_latent` inverts it)."""
+    y = gl.reshape(_v_token_order(x), [x.shape[0], x.shape[1] // 16, 2, 2, 2, 2])
+    # axes: 0 the tokens, 1 D, 2 q1, 3 q0, 4 u1, 5 u0
+    y = gl.permute(y, (1, 4, 2, 3, 5, 0))
     return gl.reshape(y, [x.shape[1], x.shape[0]])
 
 
 @gluon.jit
 def _v_token_order(p):
-    """p [64 tokens, N] with its tokens in the V^T ring's column order (`_v_transposed`)."""
+    """p [64 tokens, N] with its tokens in the V^T ring's column order: token t = 32g + 16k1 +
+    8k0 + 4i2 + 2i1 + i0 at 32g + 16i2 + 8i1 + 4i0 + 2k1 + k0 (`_v_transposed`, and P)."""
     y = gl.reshape(p, [2, 2, 2, 2, 2, 2, p.shape[1]])
     y = gl.permute(y, (0, 3, 4, 5, 1, 2, 6))
     return gl.reshape(y, [p.shape[0], p.shape[1]])
