@@ -122,6 +122,9 @@ class SamplingParams:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k != -1 and self.top_k < 1:
             _fail("top_k", self.top_k, "must be -1 or 0 (off) or >= 1")
+        if self.top_k >= 2**63:
+            # (the sampler holds top_k in int64: a larger one would fail its batch's step)
+            _fail("top_k", self.top_k, "must be below 2**63")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", self.min_p, "must be in [0, 1]")
         if not self.repetition_penalty > 0.0 or math.isinf(self.repetition_penalty):

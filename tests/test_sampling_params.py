@@ -162,3 +162,14 @@ def test_from_json_errors(s: str, needle: str) -> None:
 def test_round_trip() -> None:
     p = SamplingParams(max_tokens=5, temperature=0.3, stop=["x"], seed=7, logprobs=True)
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_top_k_fits_the_samplers_int64() -> None:
+    """A top_k past int64 was accepted, then failed the sampling step of its whole batch (the
+    sampler copies top_k into an int64 tensor), ending every request in it with an error."""
+    from engine.layers.sampler import SamplingBatchInfo
+
+    with pytest.raises(SamplingParamsError, match=f"top_k={2**63}"):
+        SamplingParams.from_dict({"top_k": 2**63, "temperature": 0.5})
+    big = SamplingParams(top_k=2**63 - 1, temperature=0.5)  # larger than any vocab: no filter
+    SamplingBatchInfo.from_params([big, SamplingParams()], [None, None], "cpu")
