@@ -29,6 +29,9 @@ _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
 
 
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature samples as greedy (as in vLLM)
+# The sampler divides and multiplies logits in float32: a larger temperature or penalty is inf
+# there, and inf / inf or 0 * inf a NaN that argmax picks.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -116,8 +119,8 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, "must be >= 0")
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0 or math.isinf(self.temperature):
-            _fail("temperature", self.temperature, "must be a finite number >= 0")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            _fail("temperature", self.temperature, "must be in [0, 3.4e38] (a finite float32)")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k != -1 and self.top_k < 1:
@@ -127,8 +130,9 @@ class SamplingParams:
             _fail("top_k", self.top_k, "must be below 2**63")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", self.min_p, "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0 or math.isinf(self.repetition_penalty):
-            _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
+            why = "must be in (0, 3.4e38] (a finite float32)"
+            _fail("repetition_penalty", self.repetition_penalty, why)
 
         if not isinstance(self.stop, list):
             _fail("stop", self.stop, "must be a string, a list of strings, or null")

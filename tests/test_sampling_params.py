@@ -173,3 +173,12 @@ def test_top_k_fits_the_samplers_int64() -> None:
         SamplingParams.from_dict({"top_k": 2**63, "temperature": 0.5})
     big = SamplingParams(top_k=2**63 - 1, temperature=0.5)  # larger than any vocab: no filter
     SamplingBatchInfo.from_params([big, SamplingParams()], [None, None], "cpu")
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_values_beyond_float32_are_refused(name: str) -> None:
+    """The sampler computes in float32, where 1e39 is inf: logits / inf and 0 * inf gave NaN
+    rows, whose argmax drew token 0 (or a penalized token) every step instead of an error."""
+    with pytest.raises(SamplingParamsError, match=f"{name}=1e\\+39"):
+        SamplingParams(**{name: 1e39})
+    assert getattr(SamplingParams(**{name: 3.4e38}), name) == 3.4e38
