@@ -86,7 +86,7 @@ class SamplingParams:
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if _is_int(value):
-                setattr(self, name, float(value))
+                setattr(self, name, _int_to_float(name, value))
         self.validate()
 
     @property
@@ -233,8 +233,17 @@ def _coerce_int(name: str, value: Any) -> int:
     _fail(name, value, "must be an integer")
 
 
+def _int_to_float(name: str, value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # (an int past 1.8e308: not a ValueError, and it names no field)
+        _fail(name, value, "must be a number within float range")
+
+
 def _coerce_float(name: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if _is_int(value):
+        return _int_to_float(name, value)
+    if isinstance(value, float):
         return float(value)
     if isinstance(value, str):
         try:

@@ -182,3 +182,13 @@ def test_values_beyond_float32_are_refused(name: str) -> None:
     with pytest.raises(SamplingParamsError, match=f"{name}=1e\\+39"):
         SamplingParams(**{name: 1e39})
     assert getattr(SamplingParams(**{name: 3.4e38}), name) == 3.4e38
+
+
+def test_integer_beyond_float_range_names_the_field() -> None:
+    """A JSON integer too large for a float raised OverflowError ("int too large to convert to
+    float"), which named no field and is no ValueError (the server's parse did not catch it)."""
+    huge = 10**400
+    with pytest.raises(SamplingParamsError, match="^temperature="):
+        SamplingParams.from_json(f'{{"temperature": {huge}}}')
+    with pytest.raises(SamplingParamsError, match="^top_p="):
+        SamplingParams(top_p=huge)  # type: ignore[arg-type]
