@@ -123,3 +123,47 @@ def test_finalize_ends_requests_in_flight_once(adapter: Any) -> None:
     assert flags.count(FINAL) == 1 and flags[-1] == FINAL, flags
     last = request.sender.responses[-1][0]
     assert last.error is not None and "server shutting down" in last.error.message()
+
+
+def _model_class(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The adapter's TritonPythonModel class, not initialized (no engine)."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
+    spec = importlib.util.spec_from_file_location(
+        "llm_adapter", REPO / "model_repository" / "llm" / "1" / "model.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TritonPythonModel
+
+
+def test_chat_template_with_bos_gives_one_bos(
+    default_tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek's template writes the BOS itself and its tokenizer adds one when encoding: the
+    engine encodes the templated prompt with special tokens, so it started with two."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from engine.input_processor import InputProcessor
+
+    model = _model_class(monkeypatch)()
+    tok = AutoTokenizer.from_pretrained(default_tokenizer)
+    plain = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                    add_generation_prompt=True)  # fmt: skip
+    model.engine = types.SimpleNamespace(tokenizer=tok)
+    # The default model's template starts with its bos_token's text, which its tokenizer does
+    # not add: that prompt is left as it is.
+    assert plain.startswith(tok.bos_token) and model._chat("Hi") == plain
+    bos, bos_id = tok.bos_token, tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, bos_id)]
+    )
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n\n{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}"
+    )
+    ids = InputProcessor(tok, tok.vocab_size, 512).tokenize(model._chat("Hi"))
+    want = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True,
+                                   add_generation_prompt=True, return_dict=True)  # fmt: skip
+    assert ids[:2] != [bos_id, bos_id] and ids == list(want["input_ids"])

@@ -101,10 +101,17 @@ class TritonPythonModel:
         return None
 
     def _chat(self, prompt: str) -> str:
+        tokenizer = self.engine.tokenizer
         messages = [{"role": "user", "content": prompt}]
-        text: str = self.engine.tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
+        # NOTE: the engine encodes a text prompt with special tokens. A template that writes the
+        # BOS itself (DeepSeek's) for a tokenizer that adds one would start with two BOS; vLLM's
+        # and SGLang's chat paths add none beyond the template's.
+        bos = tokenizer.bos_token
+        if bos and text.startswith(bos) and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+            text = text[len(bos) :]
         return text
 
     def _engine_died(self, reason: str) -> None:
