@@ -167,3 +167,23 @@ def test_chat_template_with_bos_gives_one_bos(
     want = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True,
                                    add_generation_prompt=True, return_dict=True)  # fmt: skip
     assert ids[:2] != [bos_id, bos_id] and ids == list(want["input_ids"])
+
+
+def test_chat_template_without_one_is_a_bad_request(
+    default_tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """apply_chat_template on a model served without a tokenizer, or whose tokenizer has no
+    template, is refused with the reason, not an AttributeError's text."""
+    from transformers import AutoTokenizer
+
+    from engine.serving.protocol import BadRequest
+
+    model = _model_class(monkeypatch)()
+    model.engine = types.SimpleNamespace(tokenizer=None)
+    with pytest.raises(BadRequest, match="without a tokenizer"):
+        model._chat("Hi")
+    tok = AutoTokenizer.from_pretrained(default_tokenizer)
+    tok.chat_template = None
+    model.engine = types.SimpleNamespace(tokenizer=tok)
+    with pytest.raises(BadRequest, match="no chat template"):
+        model._chat("Hi")

@@ -101,7 +101,16 @@ class TritonPythonModel:
         return None
 
     def _chat(self, prompt: str) -> str:
+        from engine.serving.protocol import BadRequest
+
         tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            why = (
+                "the model is served without a tokenizer"
+                if tokenizer is None
+                else ("the model's tokenizer has no chat template")
+            )
+            raise BadRequest(f"apply_chat_template: {why}")
         messages = [{"role": "user", "content": prompt}]
         text: str = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
