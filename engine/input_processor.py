@@ -4,12 +4,24 @@ tokenizes in the caller's process and sends only token ids to the engine's proce
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import max_token_chars
 from engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+def _token_id(t: Any) -> int:
+    """An integer token id (numpy and torch integers too); a float or a bool is refused rather
+    than truncated."""
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        return operator.index(t)
+    except TypeError:
+        raise ValueError(f"token ids must be integers; got {t!r}") from None
 
 
 @dataclass
@@ -64,7 +76,7 @@ class InputProcessor:
                 )
             ids = self.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = [_token_id(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(

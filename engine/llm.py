@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
 from engine.config import EngineConfig
@@ -41,7 +42,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Generate for every prompt (text or token ids) at once; results in input order."""
         prompt_list: list[Prompt]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], Integral)):
             prompt_list = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]

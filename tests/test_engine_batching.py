@@ -8,6 +8,7 @@ import logging
 import random
 import time
 
+import numpy as np
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
@@ -78,6 +79,9 @@ def test_shared_prefix_computes_only_new_tokens(default_model: str) -> None:
     assert llm.core.stats().prefix_cache_hit_tokens_total == 200
     solo = LLM(default_model, dtype="float32", max_total_tokens=4096, disable_radix_cache=True)
     assert second.token_ids == solo.generate([prefix + [21, 22, 23, 24]], GREEDY)[0].token_ids
+    # One prompt given as numpy ids is one prompt, not a list of one-token prompts.
+    (again,) = llm.generate(np.array(prefix + [21, 22, 23, 24]), GREEDY)
+    assert again.token_ids == second.token_ids
     _check_idle(llm)
 
 

@@ -73,3 +73,14 @@ def test_no_rust_backend(tokenizer: Any) -> None:
             return tokenizer(text)
 
     assert fast_encoder(Plain()) is None
+
+
+def test_token_ids_must_be_integers() -> None:
+    """A float or bool token id was truncated (2.7 -> 2, True -> 1) and the request served."""
+    import numpy as np
+
+    proc = InputProcessor(None, 100, 64)
+    assert proc.tokenize([1, np.int64(2), np.int32(3)]) == [1, 2, 3]
+    for bad in ([1, 2.7], [True, 2], [1, "2"]):
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            proc.tokenize(bad)
