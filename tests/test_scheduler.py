@@ -444,3 +444,29 @@ def test_a_request_that_cannot_fit_leaves_the_cache_alone() -> None:
     out = sched.schedule()  # b runs; c (50 tokens) cannot fit beside it even with a evicted
     assert out is not None and [r.rid for r in out.reqs] == ["b"]
     assert sched.tree.evictable_size() + sched.tree.protected_size() >= cached
+
+
+def test_a_waiting_long_prompt_is_not_starved_by_later_short_ones() -> None:
+    """All rows busy and a short prompt arriving every step: a long prompt queued before them
+    (not admitted yet, so not partly prefilled) still gets a row within PREFILL_MAX_SKIPS
+    prefill steps and a few more, instead of every later short prompt going first."""
+    from engine.scheduler.scheduler import PREFILL_MAX_SKIPS
+
+    sched = Scheduler(
+        EngineConfig(chunked_prefill_size=16, schedule_policy="fcfs"), max_total_tokens=4096,
+        max_context_len=4096, max_running=2,
+    )  # fmt: skip
+    sched.add_request(Req("first", [1] * 8, SamplingParams(max_tokens=3), 0))
+    sched.add_request(Req("long", list(range(1000, 1100)), SamplingParams(max_tokens=1), 0))
+    long_done = None
+    for step in range(6 * (PREFILL_MAX_SKIPS + 1)):
+        sched.add_request(Req(f"s{step}", [step % 50 + 2] * 8, SamplingParams(max_tokens=3), 0))
+        out = sched.schedule()
+        assert out is not None
+        for req in sched.process_batch(out, dict.fromkeys(out.sample_rows, 5)):
+            if req.reaches_length_limit(len(req.output_ids), sched.max_context_len):
+                sched.finish(req, "length")
+                if req.rid == "long":
+                    long_done = step
+        sched.check_integrity()
+    assert long_done is not None, "the long prompt never ran"

@@ -37,7 +37,7 @@ class Req:
     last_node: TreeNode | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_retractions: int = 0
-    prefill_skips: int = 0  # prefill steps in a row that left this partly prefilled request out
+    prefill_skips: int = 0  # prefill steps in a row that left this request out (not decoding)
     finish_reason: str | None = None
     # Set by the scheduler when choosing the waiting order (longest prefix match policy).
     match_len_hint: int = 0

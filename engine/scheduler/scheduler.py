@@ -29,8 +29,8 @@ from engine.scheduler.step_cost import PrefillCost
 
 LPM_MAX_QUEUE = 128  # above this many waiting requests, lpm sorting costs more than it saves
 MIN_PREFILL_TOKENS = 32  # a prefill step beside decoding requests takes at least this many
-# A partly prefilled request left out of this many prefill steps in a row goes first in the
-# next: prompts that fit the budget go ahead of longer ones' chunks, but not for ever.
+# A partly prefilled or waiting request left out of this many prefill steps in a row goes first
+# in the next: prompts that fit the budget go ahead of longer ones, but not for ever.
 PREFILL_MAX_SKIPS = 8
 # A prefill step may always take this long, however short the decode steps: a pause this short
 # in a stream goes unnoticed, and on a GPU it keeps prefill chunks whole (a 2,048-token chunk of
@@ -156,7 +156,7 @@ class Scheduler:
         candidates = list(self.prefilling) + self._waiting_order()
         # Requests that finish their input in this step first (in the policy's order), then
         # the chunks of longer ones: a short prompt never waits behind a long prompt's chunks.
-        starved = [r for r in self.prefilling if r.prefill_skips >= PREFILL_MAX_SKIPS]
+        starved = [r for r in candidates if r.prefill_skips >= PREFILL_MAX_SKIPS]
         rest = [r for r in candidates if r not in starved]
         fits = [r for r in rest if r.fill_len - r.num_computed <= budget]
         candidates = starved + fits + [r for r in rest if r.fill_len - r.num_computed > budget]
@@ -202,6 +202,8 @@ class Scheduler:
             self.counters.computed_prefill_tokens += n
         for req in self.prefilling:
             req.prefill_skips = 0 if req in reqs else req.prefill_skips + 1
+        for req in self.waiting:  # (a request unadmitted above keeps its count)
+            req.prefill_skips += 1
         if not entries:
             return None
         return ScheduleOutput(ScheduledBatch(ForwardMode.EXTEND, entries), reqs, sample_rows)
@@ -217,7 +219,6 @@ class Scheduler:
         req.kv_slots = list(match.slots)
         req.req_pool_idx = self.free_rows.pop()
         req.status = ReqStatus.PREFILL
-        req.prefill_skips = 0
         if req.num_retractions == 0:
             req.cached_tokens = len(match.slots)
             self.counters.cache_hit_tokens += len(match.slots)
