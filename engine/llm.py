@@ -77,7 +77,13 @@ class LLM:
                 rid, ids, "", [], "", logprobs=[] if p.logprobs else None
             )
             self.core.add_request(rid, ids, p, collect)
-        while self.core.has_work():
-            if not self.core.step():
-                raise RuntimeError("requests are queued but none can be scheduled")
+        try:
+            while self.core.has_work():
+                if not self.core.step():
+                    raise RuntimeError("requests are queued but none can be scheduled")
+        except BaseException as e:
+            # NOTE: as the async engine does: after a failed step the scheduler records KV that
+            # was never written, so a later call must neither run these requests nor cache it.
+            self.core.fail_all(f"generate failed: {e!r}")
+            raise
         return [results[rid] for rid in order]

@@ -314,6 +314,41 @@ def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla, overl
         engine.shutdown()
 
 
+def test_llm_generate_that_fails_leaves_nothing_behind(tiny_llama: str) -> None:
+    """A step that raises inside `LLM.generate` ends its requests (their slots freed, the failed
+    step's KV never cached), as the async engine does: the next call does not run them again
+    on KV that was never written, and gives what a fresh engine gives."""
+    llm = LLM(tiny_llama, dtype="float32", max_total_tokens=256)
+    runner = llm.core.runner
+    real_forward = runner.forward
+    calls = {"n": 0}
+
+    def flaky_forward(batch, all_logits=False):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first decode step
+            raise RuntimeError("injected failure")
+        return real_forward(batch, all_logits)
+
+    runner.forward = flaky_forward  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[300, 301, 302, 303], [310, 311, 312]]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(prompts, params)
+    assert not llm.core.has_work()
+    _check_idle(llm)
+    outs = llm.generate(prompts, params)
+    fresh_llm = LLM(tiny_llama, dtype="float32", max_total_tokens=256)
+    fresh = fresh_llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+    # Prompts that run through the failed step's tokens: the prefix cache holds no KV for them
+    # that was never written.
+    longer = [p + o.token_ids for p, o in zip(prompts, fresh, strict=True)]
+    assert [o.token_ids for o in llm.generate(longer, params)] == [
+        o.token_ids for o in fresh_llm.generate(longer, params)
+    ]
+    _check_idle(llm)
+
+
 @pytest.mark.parametrize(
     "which,backend", [("mla", "torch_native"), ("mla", "triton"), ("llama", "triton")]
 )
