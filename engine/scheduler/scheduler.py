@@ -157,7 +157,8 @@ class Scheduler:
         # Requests that finish their input in this step first (in the policy's order), then
         # the chunks of longer ones: a short prompt never waits behind a long prompt's chunks.
         starved = [r for r in candidates if r.prefill_skips >= PREFILL_MAX_SKIPS]
-        rest = [r for r in candidates if r not in starved]
+        rest = [r for r in candidates if r.prefill_skips < PREFILL_MAX_SKIPS]
+        queue = list(self.waiting)  # arrival order (retracted requests in front)
         fits = [r for r in rest if r.fill_len - r.num_computed <= budget]
         candidates = starved + fits + [r for r in rest if r.fill_len - r.num_computed > budget]
         admission_open = True
@@ -202,8 +203,15 @@ class Scheduler:
             self.counters.computed_prefill_tokens += n
         for req in self.prefilling:
             req.prefill_skips = 0 if req in reqs else req.prefill_skips + 1
-        for req in self.waiting:  # (a request unadmitted above keeps its count)
-            req.prefill_skips += 1
+        # A waiting request counts the steps in which one queued behind it was admitted: under
+        # load every request waits, but only being overtaken can go on for ever. (One
+        # unadmitted above keeps its count.)
+        overtaken = max(
+            (i for i, r in enumerate(queue) if r.status != ReqStatus.WAITING), default=0
+        )
+        for req in queue[:overtaken]:
+            if req.status == ReqStatus.WAITING:
+                req.prefill_skips += 1
         if not entries:
             return None
         return ScheduleOutput(ScheduledBatch(ForwardMode.EXTEND, entries), reqs, sample_rows)
