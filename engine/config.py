@@ -272,8 +272,11 @@ class EngineConfig:
             raise ConfigError(f"decode_log_interval must be >= 0, got {self.decode_log_interval}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            raise ConfigError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if self.max_total_tokens is not None and self.max_total_tokens < max(2, self.page_size):
+            raise ConfigError(
+                f"max_total_tokens must be >= 2 and hold one page (page_size {self.page_size}), "
+                f"got {self.max_total_tokens}"
+            )
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name, choices in (

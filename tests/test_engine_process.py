@@ -181,3 +181,11 @@ def test_the_child_ends_with_its_parent(tiny_llama: str, tmp_path: Path) -> None
         parent.kill()
         parent.wait()
     assert _gone(child, 10)
+
+
+def test_a_pool_smaller_than_one_page_is_refused() -> None:
+    """max_total_tokens 2 with pages of 4 rounded down to a pool of 0 slots, and every prompt
+    was then refused with 'the context limit is 0', which did not say why."""
+    with pytest.raises(ConfigError, match="hold one page"):
+        EngineConfig(model="m", max_total_tokens=2, page_size=4)
+    assert EngineConfig(model="m", max_total_tokens=4, page_size=4).max_total_tokens == 4
