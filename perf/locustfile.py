@@ -82,8 +82,10 @@ class StreamingUser(HttpUser):
             catch_response=True,
             name="generate_stream",
         ) as response:
+            other: list[bytes] = []
             for line in response.iter_lines():
                 if not line.startswith(b"data:"):
+                    other.append(line)
                     continue
                 event = json.loads(line[len(b"data:") :])
                 if "error" in event:
@@ -95,7 +97,9 @@ class StreamingUser(HttpUser):
                     self._report("TTFT", first - start, 0)
                 chunks += 1
             if first is None:
-                response.failure(f"no tokens streamed (HTTP {response.status_code})")
+                # A request refused before streaming: the body is Triton's {"error": ...}.
+                body = b" ".join(other).decode(errors="replace")[:300]
+                response.failure(f"no tokens streamed (HTTP {response.status_code}): {body}")
                 return
             response.success()
         if chunks > 1:
