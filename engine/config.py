@@ -188,7 +188,7 @@ class EngineConfig:
     mem_fraction: float = 0.85  # of free device memory for weights + KV (CUDA only)
     max_total_tokens: int | None = None  # KV slots; None: measured (CUDA) or 16384 (CPU)
     max_running_requests: int = 256
-    max_context_len: int | None = None  # None: the model's max_position_embeddings
+    max_context_len: int | None = None  # None (and the most): the model's max_position_embeddings
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
     attention_backend: str = "auto"  # "auto", "torch_native" or "triton"
@@ -270,6 +270,8 @@ class EngineConfig:
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.decode_log_interval < 0:
             raise ConfigError(f"decode_log_interval must be >= 0, got {self.decode_log_interval}")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ConfigError(f"max_context_len must be >= 2, got {self.max_context_len}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.max_total_tokens is not None and self.max_total_tokens < max(2, self.page_size):

@@ -189,3 +189,17 @@ def test_a_pool_smaller_than_one_page_is_refused() -> None:
     with pytest.raises(ConfigError, match="hold one page"):
         EngineConfig(model="m", max_total_tokens=2, page_size=4)
     assert EngineConfig(model="m", max_total_tokens=4, page_size=4).max_total_tokens == 4
+
+
+def test_a_context_longer_than_the_model_s_positions_is_refused(default_model: str) -> None:
+    """max_context_len above max_position_embeddings (8192 for the default model) was taken as
+    is: positions past the trained RoPE range ran on and degraded the output with no error."""
+    with pytest.raises(ConfigError, match="above the model's max_position_embeddings 8192"):
+        LLM(default_model, device="cpu", max_context_len=8193)
+    with pytest.raises(ConfigError, match="max_context_len must be >= 2"):
+        EngineConfig(model="m", max_context_len=0)
+    llm = LLM(default_model, device="cpu", max_context_len=8192, max_total_tokens=256)
+    try:
+        assert llm.core.max_context_len == 256  # capped at the pool, as before
+    finally:
+        llm.shutdown()

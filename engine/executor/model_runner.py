@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.distributed.workers import READY_TIMEOUT_S, TPWorkers, WorkerError, start_tp_group
 from engine.executor.compile import CompiledDecode
@@ -96,6 +96,18 @@ def pack_int64(fields: list[list[int]], device: torch.device) -> list[torch.Tens
     return [part[:n] for part, n in zip(parts, sizes, strict=True)]
 
 
+def check_context_len(config: EngineConfig, mc: ModelConfig) -> None:
+    """Raise ConfigError if max_context_len asks for positions the model was not trained on
+    (as vLLM refuses a max_model_len above the model's): RoPE past max_position_embeddings
+    extrapolates, and the output degrades without any error."""
+    limit = mc.max_position_embeddings
+    if config.max_context_len is not None and config.max_context_len > limit:
+        raise ConfigError(
+            f"max_context_len {config.max_context_len} is above the model's "
+            f"max_position_embeddings {limit}; set max_context_len to {limit} or less"
+        )
+
+
 class ModelRunner:
     """One rank's model, KV pool and request table.
 
@@ -113,6 +125,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.model_config = model_config or ModelConfig.from_pretrained(config.model)
+        check_context_len(config, self.model_config)
         self.device = resolve_device(config.device, parallel.rank if parallel else 0)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.workers: TPWorkers | None = None
