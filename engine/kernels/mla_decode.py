@@ -445,7 +445,8 @@ class MLADecodeConfig(NamedTuple):
     # With gluon (the FP8 kernel, 16 or 32 heads a program): PV as an e4m3 wgmma, V written
     # transposed in e4m3 (`mla_decode_gluon._transposer`: half the shared-memory traffic of
     # the fp16 copy, bank-conflict free) and P in e4m3; gluon V^T slots of a whole tile
-    # (v_rows 64). Not yet timed on a GPU.
+    # (v_rows 64). Opt-in: 1.02-1.07x the fp16 PV at batch 1-16 on an H100, but P's e4m3
+    # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
 
 
