@@ -37,7 +37,6 @@ from engine.kernels.mla_decode import (  # noqa: E402
     mla_decode_paged,
 )
 from engine.kernels.mla_decode_gluon import fits as gluon_fits  # noqa: E402
-from engine.kernels.mla_decode_gluon_wide import fits as gluon_wide_fits  # noqa: E402
 from engine.kernels.utils import choose_num_kv_splits  # noqa: E402
 
 C, R, PAGE = 512, 64, 64
@@ -212,8 +211,9 @@ def ours_fns(
             q, p.cache8, p.block_table, p.seq_lens, C, scale, k_scale=p.k_scale,
             max_seq_len=p.ctx, config=g,
         )  # fmt: skip
-    if cfg is None and gluon_wide_fits(q.device, heads, C, R, PAGE):
-        # The bf16 Gluon kernel of 64 heads a program, as the engine picks it at 64+ heads.
+    if cfg is None and gluon_fits(q.device, C, R, PAGE):
+        # The bf16 Gluon kernel as the engine picks it: 64 heads a program at 64+ heads, else
+        # the 16-head kernel over the bf16 ring.
         w = gluon_config(heads, p.batch, p.ctx, fp8=False)
         fns["gluon_bf16_p1"] = lambda: mla_decode(
             q, kv1, p.req_to_token, p.req_pool_indices, p.seq_lens, C, scale,
@@ -328,7 +328,7 @@ GLUON_128 = [
     MLADecodeConfig(32, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, v_rows=32, gluon_heads=32),
 ]
 # The Gluon kernel of 64 heads a program over a bf16 pool (V split over two warp groups).
-GLUON_WIDE = MLADecodeConfig(64, 64, 4, 2, 1.0, 128, gluon=1)
+GLUON_WIDE = MLADecodeConfig(64, 64, 4, 2, 1.0, 128, gluon=1, gluon_heads=64)
 # Fields: block_h, block_n, num_warps, num_stages (then waves, min_split_tokens, slots_ahead,
 # halves, fp8_dots, q_residual, q_pairs).
 TUNE = {

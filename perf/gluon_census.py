@@ -9,7 +9,8 @@ Triton's own ptxas). Use the GPU's Triton
 
     PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py [--page 64] [--stages 3]
 
-`--wide` compiles the bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`) instead.
+`--wide` compiles the bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`) instead;
+`--bf16` the 16-head kernel over a bf16 pool (no converter warps).
 """
 
 from __future__ import annotations
@@ -68,10 +69,13 @@ def compile_kernel(
     heads: int = 16,
     pdl: bool = True,
     pv_e4m3: bool = False,
+    bf16: bool = False,
 ) -> Any:
-    """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64)."""
+    """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
+    an e4m3 pool or (`bf16`) a bf16 one."""
     sig = {
-        "q_ptr": "*bf16", "kv_ptr": "*fp8e4nv", "table_ptr": "*i32", "row_idx_ptr": "*i64",
+        "q_ptr": "*bf16", "kv_ptr": "*bf16" if bf16 else "*fp8e4nv", "table_ptr": "*i32",
+        "row_idx_ptr": "*i64",
         "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "qk_scale": "fp32",
         "k_scale_ptr": "*fp32", **dict.fromkeys(_INTS, "i32"),
     }  # fmt: skip
@@ -174,6 +178,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16, help="heads a program (16 or 32)")
     ap.add_argument("--wide", action="store_true", help="the kernel of 64 heads a program")
     ap.add_argument("--fp8", action="store_true", help="with --wide: over an e4m3 pool")
+    ap.add_argument("--bf16", action="store_true", help="the 16-head kernel over a bf16 pool")
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
     args = ap.parse_args()
@@ -183,7 +188,7 @@ def main() -> None:
     else:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3,
+            pdl, args.pv_e4m3, args.bf16,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

@@ -94,6 +94,18 @@ def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
     assert "transposer store conflicts: 0" in report, report
 
 
+def test_gluon_bf16_compiles_for_hopper() -> None:
+    """The 16-head kernel over a bf16 pool (the engine's pick below 64 heads): no converter
+    warps, QK as 36 bf16 m64n16k16 wgmmas a tile (twice: the first tile's chain before the
+    loop) and PV as 8 M-blocks x 4 k-steps, no e4m3 or fp16 one; q, 2 ring slots and P fit."""
+    cfg = gluon_config(16, 16, 4096, fp8=False)
+    assert cfg.gluon and cfg.gluon_heads == 16 and cfg.num_stages == 2
+    counts, report = _census(["--bf16"], pdl_partitions=2, spill_limit=32)
+    assert counts["wgmma bf16"] == 2 * 36 + 32 and "m64n16k16" in report, report
+    assert counts["wgmma e4m3"] == 0 and counts["wgmma f16"] == 0, report
+    assert counts["cvt e4m3x2"] == 0, report
+
+
 def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
     """At 128 heads the engine takes 64 heads a program from batch 8 (q as one e4m3 term, 3
     tiles), and keeps 16 at batch 1; the 32-head form serves a latent the wide kernel does not."""
@@ -103,6 +115,10 @@ def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
     assert gluon_config(128, 1, 4096).gluon_heads == 16
     assert gluon_config(128, 16, 4096, kv_lora_rank=256).gluon_heads == 32
     assert gluon_config(16, 128, 4096).gluon_heads == 16  # fewer heads than a wide program
+    # bf16: 64 heads a program where the wide kernel serves the shape, else 16.
+    assert gluon_config(128, 16, 4096, fp8=False).gluon_heads == 64
+    assert gluon_config(128, 16, 4096, fp8=False, kv_lora_rank=256).gluon_heads == 16
+    assert gluon_config(16, 128, 4096, fp8=False).gluon_heads == 16
 
 
 @pytest.mark.parametrize("page", [1, 64])

@@ -34,8 +34,9 @@ def test_option_is_validated() -> None:
 
 def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPatch) -> None:
     """ "auto" on a CPU: the Triton kernel, and the engine runs; where the Gluon kernel would
-    fit (a stand-in for a Hopper GPU), the Triton backend takes it, the torch-native one and a
-    bf16 pool do not."""
+    fit (a stand-in for a Hopper GPU), the Triton backend takes it over an FP8 or a bf16 pool,
+    the torch-native one does not; a bf16 pool at 64+ heads of a 512 latent needs the kernel of
+    64 heads a program to fit."""
     from engine.kernels import mla_decode_gluon
     from engine.layers.attention.registry import make_attention_backend
     from engine.layers.attention.triton_backend import TritonBackend
@@ -53,14 +54,19 @@ def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPa
     assert not make_attention_backend("triton", pool, cpu, "triton").gluon_decode  # type: ignore[attr-defined]
     assert not isinstance(make_attention_backend("torch_native", pool, cpu, "auto"), TritonBackend)
     bf16 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU))  # type: ignore[arg-type]
+    # A bf16 pool at 16 heads: the 16-head kernel over the 16-bit ring, where it fits.
+    assert make_attention_backend("triton", bf16.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
+    monkeypatch.setattr(mla_decode_gluon, "fits", lambda *args: False)
     assert not make_attention_backend("triton", bf16.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
-    # A bf16 pool: the kernel of 64 heads a program, where it fits the heads a GPU.
+    # At 64+ heads of a 512 latent (a stand-in for the tiny model's): the kernel of 64 heads a
+    # program, where it fits.
     from engine.kernels import mla_decode_gluon_wide
 
-    monkeypatch.setattr(mla_decode_gluon_wide, "fits", lambda _d, heads, *rest: heads >= 64)
-    for heads, want in ((16, False), (128, True)):
-        wide = make_attention_backend("triton", bf16.kv_pool, cpu, "auto", num_heads=heads)
-        assert wide.gluon_decode == want  # type: ignore[attr-defined]
+    monkeypatch.setattr(mla_decode_gluon_wide, "serves_shape", lambda heads, *_: heads >= 64)
+    for wide_fits in (False, True):
+        monkeypatch.setattr(mla_decode_gluon_wide, "fits", lambda *args, f=wide_fits: f)
+        wide = make_attention_backend("triton", bf16.kv_pool, cpu, "auto", num_heads=128)
+        assert wide.gluon_decode == wide_fits  # type: ignore[attr-defined]
 
 
 def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
@@ -69,9 +75,9 @@ def test_refused_where_it_cannot_run(tiny_llama: str, tiny_mla) -> None:
         ModelRunner(EngineConfig(model=tiny_llama, **CPU, **GLUON))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"needs a Hopper GPU \(sm_90; this is cpu\)"):
         ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU, **GLUON))  # type: ignore[arg-type]
-    # A bf16 cache: the heads a GPU are named too (the tiny model's, far below 64).
+    # A bf16 cache (the 16-head kernel over the 16-bit ring, at the tiny model's heads).
     bf16 = EngineConfig(model=tiny_mla("v2"), **CPU, mla_decode_kernel="gluon")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"over a 16-bit cache needs .* query heads a GPU \(here"):
+    with pytest.raises(ConfigError, match=r"needs a Hopper GPU \(sm_90; this is cpu\), a latent"):
         ModelRunner(bf16)
 
 
@@ -88,15 +94,20 @@ def test_refused_outside_the_triton_backend(tiny_mla, monkeypatch: pytest.Monkey
 
 @pytest.mark.cuda
 @HOPPER
-def test_v2lite_gluon_decode_matches_triton(v2lite_two_layers: str) -> None:  # noqa: F811
-    """DeepSeek-V2-Lite's shape, FP8 cache, teacher-forced: the Gluon kernel's decode logits
-    against the Triton kernel's (the same two-term q, the same cache), eager and from graphs."""
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "auto"])
+def test_v2lite_gluon_decode_matches_triton(
+    v2lite_two_layers: str,  # noqa: F811
+    kv_cache_dtype: str,
+) -> None:
+    """DeepSeek-V2-Lite's shape (16 heads), an FP8 or a bf16 cache, teacher-forced: the Gluon
+    kernel's decode logits against the Triton kernel's (for FP8 the same two-term q, the same
+    cache), eager and from graphs."""
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 130, 300, 515)]
     forced = [[rng.randrange(100, 40000) for _ in range(12)] for _ in prompts]
-    common = dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", max_total_tokens=8192)
+    common = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_total_tokens=8192)
     common.update(max_running_requests=8)
     llm = LLM(
         v2lite_two_layers, enable_cuda_graph=False, mla_decode_kernel="triton", **common,  # type: ignore[arg-type]

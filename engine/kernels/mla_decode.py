@@ -513,13 +513,19 @@ def gluon_config(
     e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
     3 e4m3 tiles and V in 3 slots of 32 tokens for large ones; wide calls of 64+ heads take the
     kernel of 64 heads a program (`mla_decode_gluon_wide`: q as one e4m3 term, 3 tiles).
-    16-bit caches (`mla_decode_gluon_wide`, 64+ heads): 64 heads a program, 2 tiles in flight.
-    The tile shapes are the kernels' own (`_launch` sets them); the Triton fields serve a GPU
-    they miss."""
+    16-bit caches: at 64+ heads (`mla_decode_gluon_wide`) 64 heads a program, 2 tiles in
+    flight; else `mla_decode_gluon`'s 16 heads a program over 2 tiles of the 16-bit ring (no
+    converter: PV reads the ring's latent). The tile shapes are the kernels' own (`_launch`
+    sets them); the Triton fields serve a GPU they miss."""
     if not fp8:
+        if not mla_decode_gluon_wide.serves_shape(num_heads, kv_lora_rank, rope_dim):
+            # The 16-head kernel over the 16-bit ring itself (no converter), 2 tiles.
+            return default_config(num_heads, False)._replace(
+                block_h=16, block_n=64, num_stages=2, waves=1.0, gluon=1, v_rows=64
+            )
         # NOTE: the default split count at block_h 64 and one wave was the best of the tuned
         # counts at 128 heads, ctx 4K, batch 1-128 (run AM).
-        return default_config(num_heads, False)._replace(waves=1.0, gluon=1)
+        return default_config(num_heads, False)._replace(waves=1.0, gluon=1, gluon_heads=64)
     wide_rows = batch * num_heads >= GLUON_WIDE_HEAD_ROWS
     if wide_rows and mla_decode_gluon_wide.serves_shape(num_heads, kv_lora_rank, rope_dim):
         # NOTE: at 128 heads, ctx 4K, batch 16-128: 1.7-2.1x the 32-head form, 0.78-0.84x
@@ -578,12 +584,12 @@ def _launch(
         # falls back to fp16 dots, one asked for explicitly is refused.
         assert config is None, f"fp8_dots needs sm_89+ and parts >= 32 wide (latent {c}, rope {r})"
         cfg = cfg._replace(fp8_dots=False)
-    if is_fp8 and cfg.gluon and not mla_decode_gluon.fits(q.device, c, r, page_size):
+    wide = cfg.gluon > 0 and cfg.gluon_heads == mla_decode_gluon_wide.BLOCK_H.value
+    if cfg.gluon and not wide and not mla_decode_gluon.fits(q.device, c, r, page_size):
         assert config is None, (
             "the Gluon kernel needs sm_90, a latent of 256/512, RoPE 32/64, pages of 1 or 64k"
         )
         cfg = cfg._replace(gluon=0)
-    wide = cfg.gluon > 0 and (not is_fp8 or cfg.gluon_heads == mla_decode_gluon_wide.BLOCK_H.value)
     if wide and not mla_decode_gluon_wide.fits(q.device, num_heads, c, r, page_size):
         assert config is None, (
             "the Gluon kernel of 64 heads a program needs sm_90, 64+ heads, a latent of 512, "
@@ -592,9 +598,10 @@ def _launch(
         cfg, wide = cfg._replace(gluon=0), False
     if wide:
         cfg = cfg._replace(block_h=mla_decode_gluon_wide.BLOCK_H.value, block_n=64)
-    gluon = is_fp8 and cfg.gluon > 0 and not wide
+    gluon = cfg.gluon > 0 and not wide
     if gluon:
-        assert cfg.gluon_heads in (16, 32), f"gluon_heads is 16 or 32, got {cfg.gluon_heads}"
+        heads_ok = (16, 32) if is_fp8 else (16,)
+        assert cfg.gluon_heads in heads_ok, f"gluon_heads is one of {heads_ok} here"
         cfg = cfg._replace(block_h=cfg.gluon_heads, block_n=mla_decode_gluon.BLOCK_N.value)
     fp8_dots = is_fp8 and cfg.fp8_dots
     block_n = cfg.block_n if page_size == 1 else min(cfg.block_n, page_size)
@@ -628,7 +635,6 @@ def _launch(
         )
     grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
     if gluon:
-        assert k_scale is not None
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,

@@ -36,7 +36,14 @@ it in a direct call.
 the converter warps write each tile's latent transposed, in e4m3, into a V^T ring
 (`_transposer`: 32 KB written a tile instead of 64, bank-conflict free by the lane layout and
 the token and row orders it picks), and P goes to shared memory in e4m3 (times 256) in the
-same token order. Written without a GPU: its tests and timing are for the next GPU session.
+same token order. Right on an H100 and 1.02-1.07x the fp16 PV at batch 1-16, but P's e4m3
+rounding moved the engine's logits past its tests' bound (perf/RESULTS.md, run AN): opt-in.
+
+Over a 16-bit pool (bf16 or fp16, `mla_decode.gluon_config(..., fp8=False)` below 64 heads)
+the same kernel runs without the converter: q is staged as it is, QK and PV are 16-bit wgmmas
+straight from a 2-slot ring (V^T is the slot's latent read MN-major), and a slot goes back to
+the loader once PV is done. On an H100 (run AN): 1.10-1.18x the Triton kernel at batch 1 and
+1.10x at batch 128 ctx 1K, even (0.98-1.03x) elsewhere; 0.92-1.90x FlashMLA bf16.
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
@@ -311,17 +318,25 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     # loader's first gathers are in flight while q loads.
     _pdl_wait(USE_PDL)
     HEADS: gl.constexpr = p_s.shape[0]
-    q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS)
-    out_scale = gl.load(k_scale_ptr)
-    scale = qk_scale * out_scale / q_mul
+    # A 16-bit cache (`SIXTEEN`): q as it is, no scales, and V the ring's own latent.
+    SIXTEEN: gl.constexpr = lat_ring.dtype != gl.float8e4nv
+    if SIXTEEN:
+        _stage_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS)
+        out_scale = 1.0
+        scale = qk_scale
+    else:
+        q_mul = _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS)
+        out_scale = gl.load(k_scale_ptr)
+        scale = qk_scale * out_scale / q_mul
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
     PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv
-    V_ROWS: gl.constexpr = BLOCK_N if PV8 else v_ring.shape[1]
+    V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN else v_ring.shape[1]
     CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
+    QK_K: gl.constexpr = 16 if SIXTEEN else 32  # K of the QK wgmma instruction
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, QK_K]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32 if PV8 else 16]
@@ -331,7 +346,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     acc = gl.zeros([C, HEADS], gl.float32, o_layout)
     Q_ROWS: gl.constexpr = q_s.shape[0]
     sq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, 32]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, QK_K]
     )
     zero = gl.zeros([BLOCK_N, Q_ROWS], gl.float32, sq_layout)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -347,7 +362,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
     )
     for i in range(n_tiles):
-        mbarrier.arrive(kv_empty.index(i % STAGES))
+        if not SIXTEEN:
+            mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
         s1 = (i + 1) % STAGES
         mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
         fence_async_shared()
@@ -364,28 +380,36 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
         else:
             l_i = l_i * alpha + gl.sum(p, 0)
-            p_s.store(gl.permute(p.to(gl.float16), (1, 0)))
+            p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
         m_i = m_new
         fence_async_shared()
         _barrier()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
-        # the ones before it are done, so that the converter can refill it during the rest.
-        for j in gl.static_range(CHUNKS):
-            g = i * CHUNKS + j
-            mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
-            p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
-            if PV8:
-                v_j = v_ring.index(g % V_STAGES).slice(0, BLOCK_N, dim=1)  # V^T [C, tokens]
-            else:
-                v_j = v_ring.index(g % V_STAGES).permute((1, 0))
-            acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
-            if j > 0:
-                # (QK's group, issued first, is done too; its result is taken below.)
-                warpgroup_mma_wait(1, deps=(next_sq,))
-                mbarrier.arrive(v_empty.index((g - 1) % V_STAGES))
-        sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
-        mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
+        if SIXTEEN:
+            # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
+            # the loader once PV is done (QK of the next tile, in the other slot, with it).
+            v_t = lat_ring.index(i % STAGES).permute((1, 0))
+            acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
+            sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+            mbarrier.arrive(kv_empty.index(i % STAGES))
+        else:
+            # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
+            # the ones before it are done, so that the converter can refill it during the rest.
+            for j in gl.static_range(CHUNKS):
+                g = i * CHUNKS + j
+                mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
+                p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
+                if PV8:
+                    v_j = v_ring.index(g % V_STAGES).slice(0, BLOCK_N, dim=1)  # V^T [C, tokens]
+                else:
+                    v_j = v_ring.index(g % V_STAGES).permute((1, 0))
+                acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
+                if j > 0:
+                    # (QK's group, issued first, is done too; its result is taken below.)
+                    warpgroup_mma_wait(1, deps=(next_sq,))
+                    mbarrier.arrive(v_empty.index((g - 1) % V_STAGES))
+            sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+            mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
     offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
@@ -444,6 +468,26 @@ def _quantize_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS: gl.constex
 
 
 @gluon.jit
+def _stage_q(q_base, stride_qh, hg, num_heads, q_s, q_pe_s, HEADS: gl.constexpr):
+    """q of the head group as it is (16 bits) into q_s / q_pe_s (the QK wgmma's B); the calling
+    partition's warps share the work and then the fence."""
+    C: gl.constexpr = q_s.shape[1]
+    R: gl.constexpr = q_pe_s.shape[1]
+    lat_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // R, R // 8], [gl.num_warps(), 1], [1, 0]
+    )
+    heads_l = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, lat_layout))
+    heads_p = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, pe_layout))
+    q_lat, _ = _load_q(q_base, heads_l * stride_qh, heads_l < num_heads, 0, C, lat_layout)
+    q_pe, _ = _load_q(q_base, heads_p * stride_qh, heads_p < num_heads, C, R, pe_layout)
+    q_s.store(q_lat.to(q_s.dtype))
+    q_pe_s.store(q_pe.to(q_pe_s.dtype))
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
 def _store_q(x, q_mul, dst, HEADS: gl.constexpr):
     """x * q_mul in e4m3 into dst; with 2 x HEADS rows (x's rows again) the rows from
     HEADS on hold 16x the first rows' rounding error instead."""
@@ -488,11 +532,24 @@ def mla_decode_fp8_ws_kernel(
     e4m3_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
     e4m3_pe: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=R, element_bitwidth=8)
     f16_128: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
-    q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
-    q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
-    lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
-    pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
-    if PV_E4M3:
+    # A 16-bit cache: q, the ring and P in its dtype, and no converter (V is the ring's latent).
+    SIXTEEN: gl.constexpr = kv_ptr.dtype.element_ty != gl.float8e4nv
+    if SIXTEEN:
+        kv_t: gl.constexpr = kv_ptr.dtype.element_ty
+        pe_16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * R, element_bitwidth=16)
+        q_s = gl.allocate_shared_memory(kv_t, [HEADS, C], f16_128)
+        q_pe_s = gl.allocate_shared_memory(kv_t, [HEADS, R], pe_16)
+        lat_ring = gl.allocate_shared_memory(kv_t, [STAGES, BLOCK_N, C], f16_128)
+        pe_ring = gl.allocate_shared_memory(kv_t, [STAGES, BLOCK_N, R], pe_16)
+    else:
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, C], e4m3_128)
+        q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
+        lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
+        pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
+    if SIXTEEN:
+        p_s = gl.allocate_shared_memory(kv_t, [HEADS, BLOCK_N], f16_128)
+        v_ring = lat_ring
+    elif PV_E4M3:
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
         # what lets the transposer's stores spread over all banks.
         e4m3_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
@@ -509,34 +566,64 @@ def mla_decode_fp8_ws_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=32 * LOADER_WARPS)  # every loader lane's copies
-        mbarrier.init(kv_empty.index(s), count=2)  # the converter and the attention's QK
+        # The converter and the attention's QK, or (16 bits) the attention's PV alone.
+        mbarrier.init(kv_empty.index(s), count=1 if SIXTEEN else 2)
     for t in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(t), count=1)
         mbarrier.init(v_empty.index(t), count=1)
 
-    gl.warp_specialize(
-        [
-            (
-                _attend,
+    # NOTE: the partitions' argument lists are spelled out in each branch (Triton 3.6 takes
+    # them only literally).
+    if SIXTEEN:
+        gl.warp_specialize(
+            [
                 (
-                    q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
-                    pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
-                    mid_lse_ptr, b, split, hg, start, end, num_heads,
-                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                    _attend,
+                    (
+                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
+                        pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
+                        mid_lse_ptr, b, split, hg, start, end, num_heads,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                    ),
                 ),
-            ),
-            (_converter, (start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty)),
-            (
-                _loader,
                 (
-                    kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                    kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                    _loader,
+                    (
+                        kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                    ),
                 ),
-            ),
-        ],
-        [CONVERTER_WARPS, LOADER_WARPS],
-        [CONVERTER_REGS, LOADER_REGS],
-    )  # fmt: skip
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _attend,
+                    (
+                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
+                        pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
+                        mid_lse_ptr, b, split, hg, start, end, num_heads,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                    ),
+                ),
+                (
+                    _converter,
+                    (start, end, lat_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty),
+                ),
+                (
+                    _loader,
+                    (
+                        kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                    ),
+                ),
+            ],
+            [CONVERTER_WARPS, LOADER_WARPS],
+            [CONVERTER_REGS, LOADER_REGS],
+        )  # fmt: skip
 
 
 def fits(device: torch.device, kv_lora_rank: int, rope_dim: int, page_size: int) -> bool:
@@ -559,7 +646,7 @@ def launch_stage1(
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
     qk_scale: float,
-    k_scale: torch.Tensor,
+    k_scale: torch.Tensor | None,
     page_size: int,
     stages: int,
     v_stages: int,
@@ -568,11 +655,19 @@ def launch_stage1(
     heads: int = BLOCK_H.value,
     pv_e4m3: bool = False,
 ) -> None:
-    """Stage 1 over an e4m3 pool kv [num_slots, C + R]: writes mid_o [B, H, S, C] (or the
-    output, S == 1) and mid_lse [B, H, S] as `mla_decode._mla_decode_stage1` does. `pv_e4m3`:
-    PV as an e4m3 wgmma over a transposed e4m3 V (v_stages slots of a whole tile)."""
+    """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
+    scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
+    unused): writes mid_o [B, H, S, C] (or the output, S == 1) and mid_lse [B, H, S] as
+    `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
+    e4m3 V (v_stages slots of a whole tile)."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
+    if kv.dtype != torch.float8_e4m3fn:
+        assert kv.dtype == q.dtype and heads == BLOCK_H.value and stages >= 2, (
+            "a 16-bit cache takes q in its dtype, 16 heads a program and 2+ ring slots"
+        )
+        k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
+    assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
     launch(

@@ -11,6 +11,7 @@ from engine.kernels.fp8 import quantize_fp8
 from engine.kernels.mla_decode import (
     MLADecodeConfig,
     default_config,
+    gluon_config,
     mla_decode,
     mla_decode_paged,
 )
@@ -221,7 +222,7 @@ def test_gluon_value_proj() -> None:
 
 # The bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`): V's columns split over two
 # warp groups, P handed from one to the other through shared memory.
-WIDE = MLADecodeConfig(BLOCK_H.value, 64, 4, 2, 1.0, 128, gluon=1)
+WIDE = MLADecodeConfig(BLOCK_H.value, 64, 4, 2, 1.0, 128, gluon=1, gluon_heads=BLOCK_H.value)
 
 
 @pytest.mark.parametrize(
@@ -292,3 +293,49 @@ def test_gluon_wide_fp8_matches_reference(
         assert torch.equal(
             mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=deep), one
         )
+
+
+# The 16-head kernel over a bf16 pool (`gluon_config(..., fp8=False)` below 64 heads): no
+# converter, QK and PV as bf16 wgmmas straight from the 2-slot ring.
+BF16_16 = gluon_config(16, 1, 1024, fp8=False)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits",
+    [
+        ([1], 16, None),  # one token: one tile, 63 rows masked
+        ([37, 64, 65], 16, 1),  # one split (stage 1 writes the output); a tile edge
+        ([5, 1000, 17, 300], 16, None),  # mixed lengths, the default split count
+        ([3, 200], 20, 8),  # two head groups, the second mostly masked; empty splits
+        ([4100], 16, 2),  # many tiles a split: the ring wraps many times
+    ],
+)
+def test_gluon_bf16_matches_reference(seq_lens: list[int], heads: int, splits: int | None) -> None:
+    assert BF16_16.gluon and BF16_16.gluon_heads == 16 and BF16_16.num_stages == 2
+    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, heads, seed=heads + 3, fp8=False)
+    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    ref = mla_decode_ref(*args)
+    out = mla_decode(*args, num_kv_splits=splits, config=BF16_16)
+    assert out.shape == (len(seq_lens), heads, C) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out.float()).all()
+    # bf16 P and output against the fp32 reference, and the Triton kernel's own answer.
+    assert _rel_err(out, ref) < 1e-2
+    triton_out = mla_decode(*args, num_kv_splits=splits, config=default_config(heads, False))
+    assert _rel_err(out, triton_out) < 1e-2
+
+
+def test_gluon_bf16_paged() -> None:
+    """Pages of 64 with a block table, a request ending mid-page, the default split count."""
+    g = torch.Generator().manual_seed(5)
+    page, seq_lens, heads = 64, [1, 64, 130, 1000], 16
+    max_pages = (max(seq_lens) + page - 1) // page
+    num_pages = len(seq_lens) * max_pages + 1
+    cache = torch.randn(num_pages, page, 1, C + R, generator=g).to(torch.bfloat16)
+    block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
+    block_table = block_table.view(len(seq_lens), max_pages).int()
+    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q, cache, block_table, lens = (t.cuda() for t in (q, cache, block_table, lens))
+    ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05)
+    out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=BF16_16)
+    assert _rel_err(out, ref) < 1e-2

@@ -41,8 +41,8 @@ def _gluon_decode_refusal(
     backend: str, kv_pool: KVPool, device: torch.device, num_heads: int
 ) -> str | None:
     """Why the Gluon MLA decode kernels cannot run here, or None: they need the Triton backend,
-    an MLA model's latent pool, a GPU and shapes they serve: an FP8 pool
-    (`mla_decode_gluon.fits`), or a 16-bit one at 64+ heads (`mla_decode_gluon_wide.fits`)."""
+    an MLA model's latent pool, a Hopper GPU and shapes they serve (`mla_decode_gluon.fits`;
+    a 16-bit pool at 64+ heads takes `mla_decode_gluon_wide`, which needs a latent of 512)."""
     where = "mla_decode_kernel='gluon'"
     if not isinstance(kv_pool, MLATokenToKVPool):
         return f"{where} applies to MLA models (DeepSeek-V2/V3)"
@@ -52,17 +52,16 @@ def _gluon_decode_refusal(
     shape = (
         f"(this model: {rank} and {rope}), and a page size of 1 or a multiple of 64 (here {page})"
     )
-    if kv_pool.is_fp8 and not mla_decode_gluon.fits(device, rank, rope, page):
+    wide = not kv_pool.is_fp8 and mla_decode_gluon_wide.serves_shape(num_heads, rank, rope)
+    if wide and not mla_decode_gluon_wide.fits(device, num_heads, rank, rope, page):
+        return (
+            f"{where} over a 16-bit cache at 64+ query heads needs a Hopper GPU (sm_90; this is "
+            f"{device}) {shape}"
+        )
+    if not wide and not mla_decode_gluon.fits(device, rank, rope, page):
         return (
             f"{where} needs a Hopper GPU (sm_90; this is {device}), a latent of 256 or 512 and a "
             f"RoPE part of 32 or 64 {shape}"
-        )
-    if not kv_pool.is_fp8 and not mla_decode_gluon_wide.fits(device, num_heads, rank, rope, page):
-        return (
-            f"{where} over a 16-bit cache needs a Hopper GPU (sm_90; this is {device}), 64 or "
-            f"more query heads a GPU (here {num_heads}; an FP8 cache, kv_cache_dtype="
-            f"'fp8_e4m3', has a Gluon kernel at any head count), a latent of 512 and a RoPE "
-            f"part of 32 or 64 {shape}"
         )
     if backend != "triton":
         return f"{where} runs in the Triton attention backend, not {backend!r}"
