@@ -572,8 +572,7 @@ def mla_decode_fp8_ws_kernel(
         mbarrier.init(v_ready.index(t), count=1)
         mbarrier.init(v_empty.index(t), count=1)
 
-    # NOTE: the partitions' argument lists are spelled out in each branch (Triton 3.6 takes
-    # them only literally).
+    # NOTE: a 16-bit pool has no converter partition, so each form lists its partitions.
     if SIXTEEN:
         gl.warp_specialize(
             [

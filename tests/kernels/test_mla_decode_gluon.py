@@ -236,13 +236,20 @@ WIDE = MLADecodeConfig(BLOCK_H.value, 64, 4, 2, 1.0, 128, gluon=1, gluon_heads=B
     ],
 )
 def test_gluon_wide_matches_reference(seq_lens: list[int], heads: int, splits: int | None) -> None:
-    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, heads, seed=heads, fp8=False)
+    _check_bf16(seq_lens, heads, splits, WIDE, seed=heads)
+
+
+def _check_bf16(
+    seq_lens: list[int], heads: int, splits: int | None, cfg: MLADecodeConfig, seed: int
+) -> None:
+    """A Gluon kernel over a bf16 pool against the fp32 torch reference (bf16 P and output)
+    and the Triton kernel's own answer."""
+    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, heads, seed=seed, fp8=False)
     args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
     ref = mla_decode_ref(*args)
-    out = mla_decode(*args, num_kv_splits=splits, config=WIDE)
+    out = mla_decode(*args, num_kv_splits=splits, config=cfg)
     assert out.shape == (len(seq_lens), heads, C) and out.dtype == torch.bfloat16
     assert torch.isfinite(out.float()).all()
-    # bf16 P and output against the fp32 reference.
     assert _rel_err(out, ref) < 1e-2
     triton_out = mla_decode(*args, num_kv_splits=splits, config=default_config(heads, False))
     assert _rel_err(out, triton_out) < 1e-2
@@ -250,8 +257,12 @@ def test_gluon_wide_matches_reference(seq_lens: list[int], heads: int, splits: i
 
 def test_gluon_wide_paged() -> None:
     """Pages of 64 with a block table, a request ending mid-page, the default split count."""
-    g = torch.Generator().manual_seed(4)
-    page, seq_lens, heads = 64, [1, 64, 130, 1000], 128
+    _check_bf16_paged(WIDE, heads=128, seed=4)
+
+
+def _check_bf16_paged(cfg: MLADecodeConfig, heads: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    page, seq_lens = 64, [1, 64, 130, 1000]
     max_pages = (max(seq_lens) + page - 1) // page
     num_pages = len(seq_lens) * max_pages + 1
     cache = torch.randn(num_pages, page, 1, C + R, generator=g).to(torch.bfloat16)
@@ -261,7 +272,7 @@ def test_gluon_wide_paged() -> None:
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q, cache, block_table, lens = (t.cuda() for t in (q, cache, block_table, lens))
     ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05)
-    out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=WIDE)
+    out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=cfg)
     assert _rel_err(out, ref) < 1e-2
 
 
@@ -312,30 +323,9 @@ BF16_16 = gluon_config(16, 1, 1024, fp8=False)
 )
 def test_gluon_bf16_matches_reference(seq_lens: list[int], heads: int, splits: int | None) -> None:
     assert BF16_16.gluon and BF16_16.gluon_heads == 16 and BF16_16.num_stages == 2
-    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, heads, seed=heads + 3, fp8=False)
-    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
-    ref = mla_decode_ref(*args)
-    out = mla_decode(*args, num_kv_splits=splits, config=BF16_16)
-    assert out.shape == (len(seq_lens), heads, C) and out.dtype == torch.bfloat16
-    assert torch.isfinite(out.float()).all()
-    # bf16 P and output against the fp32 reference, and the Triton kernel's own answer.
-    assert _rel_err(out, ref) < 1e-2
-    triton_out = mla_decode(*args, num_kv_splits=splits, config=default_config(heads, False))
-    assert _rel_err(out, triton_out) < 1e-2
+    _check_bf16(seq_lens, heads, splits, BF16_16, seed=heads + 3)
 
 
 def test_gluon_bf16_paged() -> None:
     """Pages of 64 with a block table, a request ending mid-page, the default split count."""
-    g = torch.Generator().manual_seed(5)
-    page, seq_lens, heads = 64, [1, 64, 130, 1000], 16
-    max_pages = (max(seq_lens) + page - 1) // page
-    num_pages = len(seq_lens) * max_pages + 1
-    cache = torch.randn(num_pages, page, 1, C + R, generator=g).to(torch.bfloat16)
-    block_table = torch.randperm(num_pages, generator=g)[: len(seq_lens) * max_pages]
-    block_table = block_table.view(len(seq_lens), max_pages).int()
-    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q, cache, block_table, lens = (t.cuda() for t in (q, cache, block_table, lens))
-    ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05)
-    out = mla_decode_paged(q, cache, block_table, lens, C, 0.05, config=BF16_16)
-    assert _rel_err(out, ref) < 1e-2
+    _check_bf16_paged(BF16_16, heads=16, seed=5)
