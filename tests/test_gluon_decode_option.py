@@ -35,8 +35,8 @@ def test_option_is_validated() -> None:
 def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPatch) -> None:
     """ "auto" on a CPU: the Triton kernel, and the engine runs; where the Gluon kernel would
     fit (a stand-in for a Hopper GPU), the Triton backend takes it over an FP8 or a bf16 pool,
-    the torch-native one does not; a bf16 pool at 64+ heads of a 512 latent needs the kernel of
-    64 heads a program to fit."""
+    not over a float32 one, and the torch-native one does not; a bf16 pool at 64+ heads of a
+    512 latent needs the kernel of 64 heads a program to fit."""
     from engine.kernels import mla_decode_gluon
     from engine.layers.attention.registry import make_attention_backend
     from engine.layers.attention.triton_backend import TritonBackend
@@ -53,7 +53,14 @@ def test_auto_takes_gluon_where_it_serves(tiny_mla, monkeypatch: pytest.MonkeyPa
     assert isinstance(triton, TritonBackend) and triton.gluon_decode
     assert not make_attention_backend("triton", pool, cpu, "triton").gluon_decode  # type: ignore[attr-defined]
     assert not isinstance(make_attention_backend("torch_native", pool, cpu, "auto"), TritonBackend)
-    bf16 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU))  # type: ignore[arg-type]
+    # A float32 pool (allowed on a GPU too): no Gluon kernel takes it (their wgmmas are 8 or
+    # 16 bits), so "auto" keeps the Triton kernel and "gluon" is refused naming the dtype.
+    fp32 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **CPU))  # type: ignore[arg-type]
+    assert not make_attention_backend("triton", fp32.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="needs a bf16, fp16 or fp8 cache, not torch.float32"):
+        make_attention_backend("triton", fp32.kv_pool, cpu, "gluon")
+    bf16 = ModelRunner(EngineConfig(model=tiny_mla("v2"), **{**CPU, "dtype": "bfloat16"}))  # type: ignore[arg-type]
+    assert bf16.kv_pool.store_dtype == torch.bfloat16
     # A bf16 pool at 16 heads: the 16-head kernel over the 16-bit ring, where it fits.
     assert make_attention_backend("triton", bf16.kv_pool, cpu, "auto").gluon_decode  # type: ignore[attr-defined]
     monkeypatch.setattr(mla_decode_gluon, "fits", lambda *args: False)

@@ -431,8 +431,10 @@ class MLADecodeConfig(NamedTuple):
     # fp8 caches on Hopper: the warp-specialized Gluon kernel (`mla_decode_gluon`; block_h 16,
     # block_n 64, num_stages e4m3 tiles in flight) with this many fp16 V tiles in flight (0:
     # the Triton kernel). q_residual picks one or two e4m3 terms of q; the other flags are
-    # the Triton kernel's. 16-bit caches of 64+ heads on Hopper: any nonzero value takes the
-    # Gluon kernel of 64 heads a program (`mla_decode_gluon_wide`, num_stages tiles in flight).
+    # the Triton kernel's. 16-bit caches on Hopper: any nonzero value takes the Gluon kernel
+    # (num_stages tiles in flight; 2 at a latent of 512), of 64 heads a program
+    # (`mla_decode_gluon_wide`) with gluon_heads 64, else of 16 (no converter, V read from the
+    # ring).
     gluon: int = 0
     # With gluon: the tokens of one fp16 V ring slot (64, 32 or 16: a tile's V in 1, 2 or 4
     # slots, PV run and each slot released a slot at a time).

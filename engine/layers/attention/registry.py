@@ -41,28 +41,31 @@ def _gluon_decode_refusal(
     backend: str, kv_pool: KVPool, device: torch.device, num_heads: int
 ) -> str | None:
     """Why the Gluon MLA decode kernels cannot run here, or None: they need the Triton backend,
-    an MLA model's latent pool, a Hopper GPU and shapes they serve (`mla_decode_gluon.fits`;
-    a 16-bit pool at 64+ heads takes `mla_decode_gluon_wide`, which needs a latent of 512)."""
+    an MLA model's latent pool of fp8, bf16 or fp16, a Hopper GPU and shapes they serve
+    (`mla_decode_gluon.fits`; a 16-bit pool at 64+ heads takes `mla_decode_gluon_wide`, which
+    needs a latent of 512)."""
     where = "mla_decode_kernel='gluon'"
     if not isinstance(kv_pool, MLATokenToKVPool):
         return f"{where} applies to MLA models (DeepSeek-V2/V3)"
     from engine.kernels import mla_decode_gluon, mla_decode_gluon_wide
 
     rank, rope, page = kv_pool.kv_lora_rank, kv_pool.qk_rope_head_dim, kv_pool.page_size
-    shape = (
+    sizes = (
         f"(this model: {rank} and {rope}), and a page size of 1 or a multiple of 64 (here {page})"
     )
     wide = not kv_pool.is_fp8 and mla_decode_gluon_wide.serves_shape(num_heads, rank, rope)
     if wide and not mla_decode_gluon_wide.fits(device, num_heads, rank, rope, page):
         return (
             f"{where} over a 16-bit cache at 64+ query heads needs a Hopper GPU (sm_90; this is "
-            f"{device}) {shape}"
+            f"{device}), a latent of 512 and a RoPE part of 32 or 64 {sizes}"
         )
     if not wide and not mla_decode_gluon.fits(device, rank, rope, page):
         return (
             f"{where} needs a Hopper GPU (sm_90; this is {device}), a latent of 256 or 512 and a "
-            f"RoPE part of 32 or 64 {shape}"
+            f"RoPE part of 32 or 64 {sizes}"
         )
+    if kv_pool.store_dtype not in (torch.bfloat16, torch.float16) and not kv_pool.is_fp8:
+        return f"{where} needs a bf16, fp16 or fp8 cache, not {kv_pool.store_dtype}"
     if backend != "triton":
         return f"{where} runs in the Triton attention backend, not {backend!r}"
     return None
