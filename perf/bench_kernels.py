@@ -348,6 +348,10 @@ TUNE = {
         # Run AK also swept 2 and 4 stages, 16-token tiles and 8 warps: only 8 warps on
         # 64-token tiles won a point (batch 128 ctx 1K, 1.05x), the default everywhere else.
         M(16, 64, 8, 3, 2.0, 128, halves=True),
+        # The 16-head Gluon kernel over the bf16 ring (2 slots of 64 tokens; the engine's pick
+        # below 64 heads): its split counts around one wave, and two.
+        M(16, 64, 4, 2, 1.0, 128, gluon=1, v_rows=64),
+        M(16, 64, 4, 2, 2.0, 128, gluon=1, v_rows=64),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
