@@ -352,6 +352,9 @@ TUNE = {
         # below 64 heads): its split counts around one wave, and two.
         M(16, 64, 4, 2, 1.0, 128, gluon=1, v_rows=64),
         M(16, 64, 4, 2, 2.0, 128, gluon=1, v_rows=64),
+        # The same with each tile's QK after its own wait (the next tile loading meanwhile).
+        M(16, 64, 4, 2, 1.0, 128, gluon=1, v_rows=64, qk_ahead=False),
+        M(16, 64, 4, 2, 2.0, 128, gluon=1, v_rows=64, qk_ahead=False),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
@@ -396,7 +399,7 @@ TUNE = {
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
-    flags += (cfg.gluon_heads, cfg.pv_e4m3)
+    flags += (cfg.gluon_heads, cfg.pv_e4m3, cfg.qk_ahead)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

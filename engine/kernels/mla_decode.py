@@ -450,6 +450,10 @@ class MLADecodeConfig(NamedTuple):
     # (v_rows 64). Opt-in: 1.02-1.07x the fp16 PV at batch 1-16 on an H100, but P's e4m3
     # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
+    # With gluon over a 16-bit ring (16 heads a program): the next tile's QK issued before
+    # this tile's softmax (both tiles resident: with 2 slots no load is then in flight), or
+    # (False) each tile's QK after its own wait, the next tile loading while it is computed.
+    qk_ahead: bool = True
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -640,7 +644,7 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3,
+            cfg.pv_e4m3, cfg.qk_ahead or is_fp8,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

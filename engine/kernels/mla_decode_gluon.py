@@ -308,7 +308,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-            USE_PDL: gl.constexpr):  # fmt: skip
+            USE_PDL: gl.constexpr, QK_AHEAD: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
@@ -351,23 +351,35 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     zero = gl.zeros([BLOCK_N, Q_ROWS], gl.float32, sq_layout)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     n_tiles = _n_tiles(start, end)
-    # NOTE: QK of the next tile is issued before this tile's softmax, so that the tensor cores
-    # work while the warps compute (1.03-1.05x at batch 16 and 128, ctx 16K, run AJ); its
-    # result is waited for with this tile's PV. The ring is written by cp.async (the generic
-    # proxy) and read by the wgmma (the async proxy): a proxy fence after each wait. The last
-    # iteration issues a QK on a stale slot, skipping its wait, and never uses it.
-    mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
-    fence_async_shared()
-    sq = warpgroup_mma_wait(
-        0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
-    )
-    for i in range(n_tiles):
-        if not SIXTEEN:
-            mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
-        s1 = (i + 1) % STAGES
-        mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+    # NOTE: with QK_AHEAD, QK of the next tile is issued before this tile's softmax, so that
+    # the tensor cores work while the warps compute (1.03-1.05x at batch 16 and 128, ctx 16K,
+    # run AJ); its result is waited for with this tile's PV. The last iteration issues a QK on
+    # a stale slot, skipping its wait, and never uses it. Over a 16-bit ring of 2 slots that
+    # holds both tiles while this one is computed, so no load is in flight then; without it
+    # each tile's QK follows its own wait, the next tile loading meanwhile. The ring is
+    # written by cp.async (the generic proxy) and read by the wgmma (the async proxy): a proxy
+    # fence after each wait.
+    if QK_AHEAD:
+        mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
         fence_async_shared()
-        next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
+        sq = warpgroup_mma_wait(
+            0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
+        )
+    for i in range(n_tiles):
+        if QK_AHEAD:
+            if not SIXTEEN:
+                mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
+            s1 = (i + 1) % STAGES
+            mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+            fence_async_shared()
+            next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
+        else:
+            s0 = i % STAGES
+            mbarrier.wait(kv_ready.index(s0), (i // STAGES) & 1)
+            fence_async_shared()
+            sq = warpgroup_mma_wait(
+                0, deps=(_issue_qk(lat_ring.index(s0), pe_ring.index(s0), q_s, q_pe_s, zero),)
+            )
         qk = _combine_terms(sq, s_layout, HEADS)
         valid = start + i * BLOCK_N + offs_t < end
         qk = gl.where(valid[:, None], qk * scale, float("-inf"))
@@ -390,7 +402,10 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             # the loader once PV is done (QK of the next tile, in the other slot, with it).
             v_t = lat_ring.index(i % STAGES).permute((1, 0))
             acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
-            sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+            if QK_AHEAD:
+                sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(i % STAGES))
         else:
             # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
@@ -518,6 +533,7 @@ def mla_decode_fp8_ws_kernel(
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     PV_E4M3: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    QK_AHEAD: gl.constexpr = True,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -583,6 +599,7 @@ def mla_decode_fp8_ws_kernel(
                         pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                        QK_AHEAD,
                     ),
                 ),
                 (
@@ -606,6 +623,7 @@ def mla_decode_fp8_ws_kernel(
                         pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                        QK_AHEAD,
                     ),
                 ),
                 (
@@ -653,12 +671,14 @@ def launch_stage1(
     q_residual: bool,
     heads: int = BLOCK_H.value,
     pv_e4m3: bool = False,
+    qk_ahead: bool = True,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
     unused): writes mid_o [B, H, S, C] (or the output, S == 1) and mid_lse [B, H, S] as
     `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
-    e4m3 V (v_stages slots of a whole tile)."""
+    e4m3 V (v_stages slots of a whole tile). `qk_ahead` (16-bit caches; always on for e4m3):
+    each tile's QK issued before the softmax of the tile before it."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -671,6 +691,8 @@ def launch_stage1(
             f"a 16-bit cache takes 16 heads a program and 2-{most} ring slots here"
         )
         k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
+    else:
+        assert qk_ahead, "an e4m3 cache issues each tile's QK ahead"
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
@@ -682,5 +704,5 @@ def launch_stage1(
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
         V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
-        HEADS=heads, PV_E4M3=pv_e4m3, num_warps=4, pdl=True,
+        HEADS=heads, PV_E4M3=pv_e4m3, QK_AHEAD=qk_ahead, num_warps=4, pdl=True,
     )  # fmt: skip

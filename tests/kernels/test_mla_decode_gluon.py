@@ -329,3 +329,17 @@ def test_gluon_bf16_matches_reference(seq_lens: list[int], heads: int, splits: i
 def test_gluon_bf16_paged() -> None:
     """Pages of 64 with a block table, a request ending mid-page, the default split count."""
     _check_bf16_paged(BF16_16, heads=16, seed=5)
+
+
+@pytest.mark.parametrize("seq_lens,splits", [([1], None), ([5, 1000, 17, 300], None), ([4100], 2)])
+def test_gluon_bf16_qk_after_wait(seq_lens: list[int], splits: int | None) -> None:
+    """Each tile's QK issued after its own wait (`qk_ahead=False`) instead of before the
+    softmax of the tile before it: the same wgmmas on the same operands, so the same bits,
+    and right against the reference."""
+    after = BF16_16._replace(qk_ahead=not BF16_16.qk_ahead)
+    _check_bf16(seq_lens, 16, splits, after, seed=7)
+    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, 16, seed=8, fp8=False)
+    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    outs = [mla_decode(*args, num_kv_splits=splits, config=cfg) for cfg in (BF16_16, after)]
+    assert torch.equal(outs[0], outs[1])
+    _check_bf16_paged(after, heads=16, seed=9)
