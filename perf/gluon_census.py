@@ -72,6 +72,7 @@ def compile_kernel(
     pv_e4m3: bool = False,
     bf16: bool = False,
     qk_ahead: bool = True,
+    p_residual: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
     an e4m3 pool or (`bf16`) a bf16 one (`qk_ahead`: each tile's QK before the softmax of
@@ -86,7 +87,7 @@ def compile_kernel(
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
-        "USE_PDL": pdl, "QK_AHEAD": qk_ahead,
+        "USE_PDL": pdl, "QK_AHEAD": qk_ahead, "P_RESIDUAL": p_residual,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
@@ -187,6 +188,7 @@ def main() -> None:
     )
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
+    ap.add_argument("--p-residual", action="store_true", help="with --pv-e4m3: P as two terms")
     args = ap.parse_args()
     pdl = not args.no_pdl
     if args.wide:
@@ -194,7 +196,7 @@ def main() -> None:
     else:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3, args.bf16, not args.no_qk_ahead,
+            pdl, args.pv_e4m3, args.bf16, not args.no_qk_ahead, args.p_residual,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

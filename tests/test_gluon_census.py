@@ -94,6 +94,14 @@ def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
     assert "transposer store conflicts: 0" in report, report
 
 
+def test_gluon_e4m3_pv_two_p_terms_compiles_for_hopper() -> None:
+    """`pv_e4m3` with `p_residual`: P's second e4m3 term doubles PV (16 more m64n16k32
+    wgmmas, into the same accumulator) and adds one P buffer; it still fits."""
+    counts, report = _census(["--pv-e4m3", "--p-residual"], pdl_partitions=2, spill_limit=48)
+    assert counts["wgmma e4m3"] == 36 + 2 * 16, report
+    assert counts["wgmma f16"] == 0, report
+
+
 @pytest.mark.parametrize("qk_ahead", [True, False])
 def test_gluon_bf16_compiles_for_hopper(qk_ahead: bool) -> None:
     """The 16-head kernel over a bf16 pool (the engine's pick below 64 heads): no converter

@@ -454,6 +454,9 @@ class MLADecodeConfig(NamedTuple):
     # this tile's softmax (both tiles resident: with 2 slots no load is then in flight), or
     # (False) each tile's QK after its own wait, the next tile loading while it is computed.
     qk_ahead: bool = True
+    # With pv_e4m3: P's e4m3 rounding error as a second e4m3 term, its PV chained into the same
+    # accumulator (twice the PV wgmmas and V^T reads; P then about as exact as fp16's).
+    p_residual: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -644,7 +647,7 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3, cfg.qk_ahead or is_fp8,
+            cfg.pv_e4m3, cfg.qk_ahead or is_fp8, cfg.p_residual,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(
