@@ -38,12 +38,17 @@ the converter warps write each tile's latent transposed, in e4m3, into a V^T rin
 the token and row orders it picks), and P goes to shared memory in e4m3 (times 256) in the
 same token order. Right on an H100 and 1.02-1.07x the fp16 PV at batch 1-16, but P's e4m3
 rounding moved the engine's logits past its tests' bound (perf/RESULTS.md, run AN): opt-in.
+`MLADecodeConfig.p_residual` adds P's rounding error as a second e4m3 term, its PV chained
+into the same accumulator (untimed).
 
 Over a 16-bit pool (bf16 or fp16, `mla_decode.gluon_config(..., fp8=False)` below 64 heads)
 the same kernel runs without the converter: q is staged as it is, QK and PV are 16-bit wgmmas
 straight from a 2-slot ring (V^T is the slot's latent read MN-major), and a slot goes back to
 the loader once PV is done. On an H100 (run AN): 1.10-1.18x the Triton kernel at batch 1 and
-1.10x at batch 128 ctx 1K, even (0.98-1.03x) elsewhere; 0.92-1.90x FlashMLA bf16.
+1.10x at batch 128 ctx 1K, even (0.98-1.03x) elsewhere; 0.92-1.90x FlashMLA bf16. With 2
+slots the next tile's QK issued ahead holds both, so no gather is in flight while a tile is
+computed; `MLADecodeConfig.qk_ahead=False` issues each QK after its own tile's wait instead
+(untimed).
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
