@@ -315,10 +315,6 @@ GLUON = [
     # terms or one.
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True),
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2, pv_e4m3=True),
-    # The same with P as two e4m3 terms (two PV chains into one accumulator).
-    MLADecodeConfig(
-        16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True, p_residual=True
-    ),
 ]
 # The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
 # read by half as many programs; V in 32-token slots so that it fits).
@@ -356,9 +352,6 @@ TUNE = {
         # below 64 heads): its split counts around one wave, and two.
         M(16, 64, 4, 2, 1.0, 128, gluon=1, v_rows=64),
         M(16, 64, 4, 2, 2.0, 128, gluon=1, v_rows=64),
-        # The same with each tile's QK after its own wait (the next tile loading meanwhile).
-        M(16, 64, 4, 2, 1.0, 128, gluon=1, v_rows=64, qk_ahead=False),
-        M(16, 64, 4, 2, 2.0, 128, gluon=1, v_rows=64, qk_ahead=False),
     ],
     (16, "ours_fp8_p1"): [
         M(16, 64, 4, 2, 2.0, 128, halves=True, fp8_dots=True),
@@ -403,7 +396,7 @@ TUNE = {
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
-    flags += (cfg.gluon_heads, cfg.pv_e4m3, cfg.qk_ahead, cfg.p_residual)
+    flags += (cfg.gluon_heads, cfg.pv_e4m3)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

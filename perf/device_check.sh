@@ -12,8 +12,8 @@
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
-#                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128 and forms1206 only when named)
+#                                                  bench_engine; tune_p1, gluon16, gluon128
+#                                                  and heads128 only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -74,19 +74,6 @@ if [[ " $STEPS " == *" gluon16 "* ]]; then
         ENGINE_PDL=0 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
         --out '$OUT/gluon16_nopdl'; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --out '$OUT/gluon16_pdl'"
-fi
-# The forms written without a GPU on 2026-12-06 (perf/RESULTS.md): the 16-head bf16 kernel
-# with each QK after its own tile's wait (`qk_ahead=False`) and the FP8 kernel's e4m3 PV with P
-# as two e4m3 terms (`p_residual`): their tests, then both tunes beside FlashMLA. Only when
-# named (`bash perf/device_check.sh forms1206`).
-if [[ " $STEPS " == *" forms1206 "* ]]; then
-    step forms1206 570 bash -c "python3 -m pytest -q -p no:cacheprovider \
-        tests/kernels/test_mla_decode_gluon.py tests/test_cuda_graph.py \
-        tests/test_gluon_decode_option.py -k 'bf16 or two_p_terms or (v2lite and auto and not fp8)'; \
-        python3 perf/bench_kernels.py --tune --gluon-only --heads 16 --kinds ours_bf16_p1 \
-        --batches 1 16 64 128 --out '$OUT/forms1206_bf16'; \
-        python3 perf/bench_kernels.py --tune --gluon-only --heads 16 --kinds ours_fp8_p1 \
-        --batches 16 128 --contexts 1024 16384 --out '$OUT/forms1206_fp8'"
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \

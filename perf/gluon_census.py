@@ -10,8 +10,7 @@ Triton's own ptxas). Use the GPU's Triton
     PYTHONPATH=/tmp/tri36 .venv/bin/python perf/gluon_census.py [--page 64] [--stages 3]
 
 `--wide` compiles the bf16 kernel of 64 heads a program (`mla_decode_gluon_wide`) instead;
-`--bf16` the 16-head kernel over a bf16 pool (no converter warps), `--no-qk-ahead` with it
-each tile's QK issued after that tile's own wait.
+`--bf16` the 16-head kernel over a bf16 pool (no converter warps).
 """
 
 from __future__ import annotations
@@ -71,12 +70,9 @@ def compile_kernel(
     pdl: bool = True,
     pv_e4m3: bool = False,
     bf16: bool = False,
-    qk_ahead: bool = True,
-    p_residual: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
-    an e4m3 pool or (`bf16`) a bf16 one (`qk_ahead`: each tile's QK before the softmax of
-    the tile before it)."""
+    an e4m3 pool or (`bf16`) a bf16 one."""
     sig = {
         "q_ptr": "*bf16", "kv_ptr": "*bf16" if bf16 else "*fp8e4nv", "table_ptr": "*i32",
         "row_idx_ptr": "*i64",
@@ -87,7 +83,7 @@ def compile_kernel(
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
-        "USE_PDL": pdl, "QK_AHEAD": qk_ahead, "P_RESIDUAL": p_residual,
+        "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
@@ -183,12 +179,8 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the kernel of 64 heads a program")
     ap.add_argument("--fp8", action="store_true", help="with --wide: over an e4m3 pool")
     ap.add_argument("--bf16", action="store_true", help="the 16-head kernel over a bf16 pool")
-    ap.add_argument(
-        "--no-qk-ahead", action="store_true", help="with --bf16: each QK after its tile's wait"
-    )
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
-    ap.add_argument("--p-residual", action="store_true", help="with --pv-e4m3: P as two terms")
     args = ap.parse_args()
     pdl = not args.no_pdl
     if args.wide:
@@ -196,7 +188,7 @@ def main() -> None:
     else:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3, args.bf16, not args.no_qk_ahead, args.p_residual,
+            pdl, args.pv_e4m3, args.bf16,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

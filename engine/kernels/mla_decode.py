@@ -450,13 +450,6 @@ class MLADecodeConfig(NamedTuple):
     # (v_rows 64). Opt-in: 1.02-1.07x the fp16 PV at batch 1-16 on an H100, but P's e4m3
     # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
-    # With gluon over a 16-bit ring (16 heads a program): the next tile's QK issued before
-    # this tile's softmax (both tiles resident: with 2 slots no load is then in flight), or
-    # (False) each tile's QK after its own wait, the next tile loading while it is computed.
-    qk_ahead: bool = True
-    # With pv_e4m3: P's e4m3 rounding error as a second e4m3 term, its PV chained into the same
-    # accumulator (twice the PV wgmmas and V^T reads; P then about as exact as fp16's).
-    p_residual: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -647,7 +640,7 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3, cfg.qk_ahead or is_fp8, cfg.p_residual,
+            cfg.pv_e4m3,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

@@ -38,17 +38,14 @@ the converter warps write each tile's latent transposed, in e4m3, into a V^T rin
 the token and row orders it picks), and P goes to shared memory in e4m3 (times 256) in the
 same token order. Right on an H100 and 1.02-1.07x the fp16 PV at batch 1-16, but P's e4m3
 rounding moved the engine's logits past its tests' bound (perf/RESULTS.md, run AN): opt-in.
-`MLADecodeConfig.p_residual` adds P's rounding error as a second e4m3 term, its PV chained
-into the same accumulator (untimed).
 
 Over a 16-bit pool (bf16 or fp16, `mla_decode.gluon_config(..., fp8=False)` below 64 heads)
 the same kernel runs without the converter: q is staged as it is, QK and PV are 16-bit wgmmas
 straight from a 2-slot ring (V^T is the slot's latent read MN-major), and a slot goes back to
-the loader once PV is done. On an H100 (run AN): 1.10-1.18x the Triton kernel at batch 1 and
-1.10x at batch 128 ctx 1K, even (0.98-1.03x) elsewhere; 0.92-1.90x FlashMLA bf16. With 2
-slots the next tile's QK issued ahead holds both, so no gather is in flight while a tile is
-computed; `MLADecodeConfig.qk_ahead=False` issues each QK after its own tile's wait instead
-(untimed).
+the loader once PV is done. Each tile's QK waits for its own tile only (with the next tile's
+QK issued ahead, as the FP8 form does, both slots would be held while one tile is computed
+and no gather would be in flight: 4-16% slower on an H100, run AO). On an H100 (run AO):
+1.00-2.21x FlashMLA bf16 over batch 1-128, ctx 1K-16K.
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
@@ -309,20 +306,16 @@ def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
 
 
 @gluon.jit
-def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s, lat_ring, pe_ring,
+def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring, pe_ring,
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-            USE_PDL: gl.constexpr, QK_AHEAD: gl.constexpr,
-            P_RESIDUAL: gl.constexpr):  # fmt: skip
+            USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
     e4m3 V^T ring (`_transposer`) as an e4m3 wgmma with P in e4m3 (times P_SCALE; the row sums
-    are of the rounded P, so that the normalization matches what PV summed), and with
-    P_RESIDUAL P's rounding error as a second e4m3 term (in `p_lo_s`), its PV
-    chained into the same accumulator (the residual is at most 1/16 of P's own term, in
-    e4m3's normal range while P * P_SCALE >= 1/4: no scale of its own)."""
+    are of the rounded P, so that the normalization matches what PV summed)."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
     _pdl_wait(USE_PDL)
@@ -341,7 +334,6 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s, 
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
     PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv
-    P_TERMS: gl.constexpr = 2 if PV8 and P_RESIDUAL else 1
     V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN else v_ring.shape[1]
     CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     QK_K: gl.constexpr = 16 if SIXTEEN else 32  # K of the QK wgmma instruction
@@ -361,14 +353,15 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s, 
     zero = gl.zeros([BLOCK_N, Q_ROWS], gl.float32, sq_layout)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     n_tiles = _n_tiles(start, end)
-    # NOTE: with QK_AHEAD, QK of the next tile is issued before this tile's softmax, so that
+    # NOTE: over an e4m3 ring QK of the next tile is issued before this tile's softmax, so that
     # the tensor cores work while the warps compute (1.03-1.05x at batch 16 and 128, ctx 16K,
     # run AJ); its result is waited for with this tile's PV. The last iteration issues a QK on
-    # a stale slot, skipping its wait, and never uses it. Over a 16-bit ring of 2 slots that
-    # holds both tiles while this one is computed, so no load is in flight then; without it
-    # each tile's QK follows its own wait, the next tile loading meanwhile. The ring is
-    # written by cp.async (the generic proxy) and read by the wgmma (the async proxy): a proxy
-    # fence after each wait.
+    # a stale slot, skipping its wait, and never uses it. A 16-bit slot is held until PV is
+    # done, so there it would hold both slots of the ring and stop the gathers while a tile is
+    # computed: each tile's QK follows its own wait instead, the next tile loading meanwhile
+    # (1.04-1.16x, run AO). The ring is written by cp.async (the generic proxy) and read by the
+    # wgmma (the async proxy): a proxy fence after each wait.
+    QK_AHEAD: gl.constexpr = not SIXTEEN
     if QK_AHEAD:
         mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
         fence_async_shared()
@@ -397,14 +390,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s, 
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk - m_new[None, :])
         if PV8:
-            p_up = p * P_SCALE
-            p8 = p_up.to(gl.float8e4nv)
-            p_sum = p8.to(gl.float32)
-            if P_TERMS == 2:
-                lo8 = (p_up - p_sum).to(gl.float8e4nv)
-                p_sum += lo8.to(gl.float32)
-                p_lo_s.store(gl.permute(_v_token_order(lo8), (1, 0)))
-            l_i = l_i * alpha + gl.sum(p_sum, 0) * (1.0 / P_SCALE)
+            p8 = (p * P_SCALE).to(gl.float8e4nv)
+            l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
             p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
         else:
             l_i = l_i * alpha + gl.sum(p, 0)
@@ -435,9 +422,6 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s, 
                 else:
                     v_j = v_ring.index(g % V_STAGES).permute((1, 0))
                 acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
-                if P_TERMS == 2:
-                    p_lo = p_lo_s.permute((1, 0))  # (PV8: one slot a tile)
-                    acc = warpgroup_mma(v_j, p_lo, acc, is_async=True)
                 if j > 0:
                     # (QK's group, issued first, is done too; its result is taken below.)
                     warpgroup_mma_wait(1, deps=(next_sq,))
@@ -552,7 +536,6 @@ def mla_decode_fp8_ws_kernel(
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     PV_E4M3: gl.constexpr = False, USE_PDL: gl.constexpr = False,
-    QK_AHEAD: gl.constexpr = True, P_RESIDUAL: gl.constexpr = False,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -583,7 +566,6 @@ def mla_decode_fp8_ws_kernel(
         pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
     if SIXTEEN:
         p_s = gl.allocate_shared_memory(kv_t, [HEADS, BLOCK_N], f16_128)
-        p_lo_s = p_s
         v_ring = lat_ring
     elif PV_E4M3:
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
@@ -591,13 +573,8 @@ def mla_decode_fp8_ws_kernel(
         e4m3_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
         p_s = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, BLOCK_N], e4m3_p)
         v_ring = gl.allocate_shared_memory(gl.float8e4nv, [V_STAGES, C, 2 * BLOCK_N], e4m3_128)
-        if P_RESIDUAL:
-            p_lo_s = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, BLOCK_N], e4m3_p)
-        else:
-            p_lo_s = p_s
     else:
         p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
-        p_lo_s = p_s
         v_ring = gl.allocate_shared_memory(gl.float16, [V_STAGES, V_ROWS, C], f16_128)
     fence_async_shared()
 
@@ -620,11 +597,10 @@ def mla_decode_fp8_ws_kernel(
                 (
                     _attend,
                     (
-                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s,
-                        lat_ring, pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
+                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
+                        pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
-                        QK_AHEAD, P_RESIDUAL,
                     ),
                 ),
                 (
@@ -644,11 +620,10 @@ def mla_decode_fp8_ws_kernel(
                 (
                     _attend,
                     (
-                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, p_lo_s,
-                        lat_ring, pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
+                        q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
+                        pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
-                        QK_AHEAD, P_RESIDUAL,
                     ),
                 ),
                 (
@@ -696,16 +671,12 @@ def launch_stage1(
     q_residual: bool,
     heads: int = BLOCK_H.value,
     pv_e4m3: bool = False,
-    qk_ahead: bool = True,
-    p_residual: bool = False,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
     unused): writes mid_o [B, H, S, C] (or the output, S == 1) and mid_lse [B, H, S] as
     `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
-    e4m3 V (v_stages slots of a whole tile), with `p_residual` P as two e4m3 terms.
-    `qk_ahead` (16-bit caches; always on for e4m3): each tile's QK issued before the softmax
-    of the tile before it."""
+    e4m3 V (v_stages slots of a whole tile)."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -717,13 +688,9 @@ def launch_stage1(
         assert heads == BLOCK_H.value and 2 <= stages <= most, (
             f"a 16-bit cache takes 16 heads a program and 2-{most} ring slots here"
         )
-        k_scale, v_stages, v_rows, q_residual = mid_lse, 1, BLOCK_N.value, False
-        pv_e4m3 = p_residual = False
-    else:
-        assert qk_ahead, "an e4m3 cache issues each tile's QK ahead"
+        k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
-    assert pv_e4m3 or not p_residual, "P's second e4m3 term is for e4m3 PV"
     grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
     launch(
         mla_decode_fp8_ws_kernel, grid,
@@ -733,6 +700,5 @@ def launch_stage1(
         num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
         SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
         V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
-        HEADS=heads, PV_E4M3=pv_e4m3, QK_AHEAD=qk_ahead, P_RESIDUAL=p_residual, num_warps=4,
-        pdl=True,
+        HEADS=heads, PV_E4M3=pv_e4m3, num_warps=4, pdl=True,
     )  # fmt: skip

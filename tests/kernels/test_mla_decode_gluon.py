@@ -173,26 +173,6 @@ def test_gluon_e4m3_pv_matches_reference(
         assert _rel_err(out, base) < 1e-2
 
 
-@pytest.mark.parametrize(
-    "seq_lens,splits", [([37, 64, 65], 1), ([5, 1000, 17, 300], None), ([4100], 2)]
-)
-def test_gluon_e4m3_pv_two_p_terms(seq_lens: list[int], splits: int | None) -> None:
-    """`pv_e4m3` with P's e4m3 rounding error as a second e4m3 term (`p_residual`, chained into
-    the same accumulator): right against the reference, and nearer the fp16-PV form than
-    with P as one term (whose 3 mantissa bits are the error it adds)."""
-    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, 16, seed=len(seq_lens) + 11)
-    args = (q, kv8, req_to_token, rows, lens, C, (C + R) ** -0.5)
-    ref = mla_decode_ref(*args, k_scale=k_scale)
-    cfg = _gluon()
-    base, one, two = (
-        mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=c)
-        for c in (cfg, cfg._replace(pv_e4m3=True), cfg._replace(pv_e4m3=True, p_residual=True))
-    )
-    assert torch.isfinite(two.float()).all()
-    assert _rel_err(two, ref) < 2e-2
-    assert _rel_err(two, base) < 0.5 * _rel_err(one, base)
-
-
 def test_gluon_matches_triton_kernel() -> None:
     """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
@@ -349,17 +329,3 @@ def test_gluon_bf16_matches_reference(seq_lens: list[int], heads: int, splits: i
 def test_gluon_bf16_paged() -> None:
     """Pages of 64 with a block table, a request ending mid-page, the default split count."""
     _check_bf16_paged(BF16_16, heads=16, seed=5)
-
-
-@pytest.mark.parametrize("seq_lens,splits", [([1], None), ([5, 1000, 17, 300], None), ([4100], 2)])
-def test_gluon_bf16_qk_after_wait(seq_lens: list[int], splits: int | None) -> None:
-    """Each tile's QK issued after its own wait (`qk_ahead=False`) instead of before the
-    softmax of the tile before it: the same wgmmas on the same operands, so the same bits,
-    and right against the reference."""
-    after = BF16_16._replace(qk_ahead=not BF16_16.qk_ahead)
-    _check_bf16(seq_lens, 16, splits, after, seed=7)
-    q, kv, req_to_token, rows, lens, _ = _pool(seq_lens, 16, seed=8, fp8=False)
-    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
-    outs = [mla_decode(*args, num_kv_splits=splits, config=cfg) for cfg in (BF16_16, after)]
-    assert torch.equal(outs[0], outs[1])
-    _check_bf16_paged(after, heads=16, seed=9)
