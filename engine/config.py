@@ -182,7 +182,7 @@ class EngineConfig:
     # engine/kernels/mla_decode_gluon.py (1.19-1.27x the Triton kernel at batch >= 16 past 1K
     # of context on an H200, perf/RESULTS.md run AK), over a 16-bit cache at 64+ query heads a
     # GPU engine/kernels/mla_decode_gluon_wide.py (about 2x at 128 heads, run AM), below that
-    # the first one without its converter (1.10-1.18x at batch 1 on an H100, run AN); "triton"
+    # the first one without its converter (1.00-2.21x FlashMLA bf16 on an H100, run AO); "triton"
     # (the kernel every GPU runs); or "auto": a Gluon kernel where one serves, else Triton.
     mla_decode_kernel: str = "auto"
     page_size: int = 1
