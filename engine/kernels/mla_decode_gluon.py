@@ -44,7 +44,7 @@ the same kernel runs without the converter: q is staged as it is, QK and PV are 
 straight from a 2-slot ring (V^T is the slot's latent read MN-major), and a slot goes back to
 the loader once PV is done. Each tile's QK waits for its own tile only (with the next tile's
 QK issued ahead, as the FP8 form does, both slots would be held while one tile is computed
-and no gather would be in flight: 4-16% slower on an H100, run AO). On an H100 (run AO):
+and no gather would be in flight: 1.04-1.20x slower on an H100, run AO). On an H100 (run AO):
 1.00-2.21x FlashMLA bf16 over batch 1-128, ctx 1K-16K.
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
@@ -359,7 +359,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     # a stale slot, skipping its wait, and never uses it. A 16-bit slot is held until PV is
     # done, so there it would hold both slots of the ring and stop the gathers while a tile is
     # computed: each tile's QK follows its own wait instead, the next tile loading meanwhile
-    # (1.04-1.16x, run AO). The ring is written by cp.async (the generic proxy) and read by the
+    # (1.04-1.20x, run AO). The ring is written by cp.async (the generic proxy) and read by the
     # wgmma (the async proxy): a proxy fence after each wait.
     QK_AHEAD: gl.constexpr = not SIXTEEN
     if QK_AHEAD:
@@ -370,8 +370,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         )
     for i in range(n_tiles):
         if QK_AHEAD:
-            if not SIXTEEN:
-                mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
+            mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
             s1 = (i + 1) % STAGES
             mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
             fence_async_shared()
@@ -402,13 +401,10 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if SIXTEEN:
             # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
-            # the loader once PV is done (QK of the next tile, in the other slot, with it).
+            # the loader once PV is done.
             v_t = lat_ring.index(i % STAGES).permute((1, 0))
             acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
-            if QK_AHEAD:
-                sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(i % STAGES))
         else:
             # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
