@@ -496,8 +496,9 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
 
 
 # With this many tokens of work a call (batch x the longest context) or more, the Gluon kernel
-# takes 3 e4m3 tiles and V in 3 slots of 32 tokens (perf/RESULTS.md, run AK).
-GLUON_DEEP_RING_TOKENS = 128 * 1024
+# takes 3 e4m3 tiles and V in 3 slots of 32 tokens (perf/RESULTS.md, run AK; from 128K to 64K
+# tokens in run AP, where batch 16 ctx 4K ran 23.2 us deep against 24.8 with 2 tiles).
+GLUON_DEEP_RING_TOKENS = 64 * 1024
 # Query heads across the batch (batch x num_heads) from which the Gluon kernel takes 32 heads a
 # program (`gluon_config`).
 GLUON_WIDE_HEAD_ROWS = 1024
