@@ -50,8 +50,11 @@ _LOG2E = 1.4426950408889634
 # Batches up to this size merge the splits and apply the value projection in one kernel. Each
 # request's programs read the whole weight again (from L2 after the first), and each head's
 # splits are merged once per value slice, so larger batches and more heads (128: 16 MB of
-# partial outputs a request at 64 splits) go back to the merge and one GEMM. Timed on the H200
-# at batch 1 with 16 heads only (perf/RESULTS.md).
+# partial outputs a request at 64 splits) go back to the merge and one GEMM. On an H100 at 16
+# heads (perf/RESULTS.md, run AQ, `perf/bench_value_proj.py`) the one kernel is 1.01-1.95x the
+# merge and GEMM at batch 1-4, except at batch 1 with 64 splits (ctx 16K: 0.74x), where the
+# merge cut by columns is faster; the two-kernel path is slow at few splits for a reason not yet
+# found, so the choice stays by rows.
 MERGE_PROJECT_MAX_ROWS = 4
 MERGE_PROJECT_MAX_HEADS = 16
 

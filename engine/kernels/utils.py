@@ -248,15 +248,16 @@ def _merge_splits_kernel(
     stride_ob,
     stride_oh,
     num_splits,
-    C: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_SA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """One (head, request): the splits' outputs weighted by their share of the softmax sum."""
+    """One (head, request, BLOCK_C columns): the splits' outputs weighted by their share of the
+    softmax sum."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    offs_c = tl.arange(0, C)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     pdl_wait(USE_PDL)
     out = merge_row(
         mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh,
@@ -264,6 +265,17 @@ def _merge_splits_kernel(
     )  # fmt: skip
     o_ptrs = o_ptr + b * stride_ob + h * stride_oh + offs_c
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+def merge_column_chunks(rows: int, width: int, sms: int | None = None) -> int:
+    """Programs a merged row is cut into, by columns (powers of two, at least 64 columns each),
+    so that fewer rows than SMs still fill about one program an SM: at batch 1 the merge of 16
+    heads would otherwise be 16 programs, each reading all its splits alone."""
+    sms = sms if sms is not None else num_sms()
+    chunks = 1
+    while width // (chunks * 2) >= 64 and width % (chunks * 2) == 0 and rows * chunks < sms:
+        chunks *= 2
+    return chunks
 
 
 def merge_blocks(num_splits: int, width: int) -> tuple[int, int]:
@@ -297,10 +309,13 @@ def choose_num_kv_splits(
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
     """Stage 2: mid_o [B, H, S, Dv] fp32 and mid_lse [B, H, S] (log2) -> out [B, H, Dv]."""
     batch, num_heads, num_splits, dv = mid_o.shape
-    block_s, block_sa = merge_blocks(num_splits, dv)
+    chunks = merge_column_chunks(batch * num_heads, dv)
+    block_c = dv // chunks
+    block_s, block_sa = merge_blocks(num_splits, block_c)
     launch(
-        _merge_splits_kernel, (num_heads, batch),
+        _merge_splits_kernel, (num_heads, batch, chunks),
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        C=dv, BLOCK_S=block_s, BLOCK_SA=block_sa, num_warps=4 if dv >= 256 else 2, pdl=True,
+        BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_SA=block_sa,
+        num_warps=4 if dv >= 256 else 2, pdl=True,
     )  # fmt: skip

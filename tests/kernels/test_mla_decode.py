@@ -16,7 +16,7 @@ from engine.kernels.mla_decode import (
     mla_decode_paged,
 )
 from engine.kernels.reference import mla_decode_paged_ref, mla_decode_ref
-from engine.kernels.utils import choose_num_kv_splits, merge_splits
+from engine.kernels.utils import choose_num_kv_splits, merge_column_chunks, merge_splits
 
 C, R = 64, 16  # kv_lora_rank, rope dim (576 = 512 + 64 on real models)
 
@@ -366,11 +366,23 @@ def test_mla_decode_value_proj(
     assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 1e-2)
 
 
-def test_merge_splits_in_chunks(device: torch.device) -> None:
+def test_merge_column_chunks() -> None:
+    """Fewer rows than SMs cut into column chunks (at least 64 columns) until about one
+    program an SM."""
+    assert merge_column_chunks(16, 512, sms=132) == 8  # batch 1, 16 heads: 128 programs
+    assert merge_column_chunks(64, 512, sms=132) == 4
+    assert merge_column_chunks(128, 512, sms=132) == 2
+    assert merge_column_chunks(256, 512, sms=132) == 1
+    assert merge_column_chunks(4, 128, sms=132) == 2  # never below 64 columns
+    assert merge_column_chunks(4, 96, sms=132) == 1  # 48 columns: not cut
+
+
+@pytest.mark.parametrize("heads", [2, 64])  # 8 column chunks a row; one (192 rows)
+def test_merge_splits_in_chunks(device: torch.device, heads: int) -> None:
     """Splits read several chunks a row (512 wide: 16 a load), empty ones (-inf) skipped; the
     merge alone and merged with the value projection, against torch."""
     g = torch.Generator().manual_seed(4)
-    batch, heads, splits, width, v = 3, 2, 40, 512, 16
+    batch, splits, width, v = 3, 40, 512, 16
     mid_o = torch.randn(batch, heads, splits, width, generator=g)
     lse = torch.randn(batch, heads, splits, generator=g) * 3
     for b, nonempty in enumerate([40, 17, 1]):  # all, past one chunk, only the first

@@ -1,0 +1,78 @@
+"""MLA decode with the value projection (W_UV) at a few requests: the split merge and the
+projection in one kernel (`_merge_project`, the engine's pick up to MERGE_PROJECT_MAX_ROWS
+requests) against the merge (`merge_splits`) and then the projection, on the engine's layout
+(page size 1) over bf16 and FP8 caches, through the Gluon kernels as the engine picks them.
+
+    PYTHONPATH=. python3 perf/bench_value_proj.py [--batches 1 4] [--contexts 1024 4096 16384]
+
+Prints us a call for each path (CUDA-graph replays, `bench_kernels.time_graph`) and the
+largest difference between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_kernels  # noqa: E402
+
+from engine.kernels import mla_decode as md  # noqa: E402
+
+HEADS, V = 16, 128  # DeepSeek-V2-Lite: 16 heads, v_head_dim 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    c, r = bench_kernels.C, bench_kernels.R
+    scale = (c + r) ** -0.5
+    limit = md.MERGE_PROJECT_MAX_ROWS
+    print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={limit}")
+    print(
+        "| kv | batch | ctx | merge + projection in one kernel us | merge, then projection us "
+        "| one kernel vs two | max abs diff |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(HEADS, V, c, device="cuda", generator=g) / c**0.5).to(torch.bfloat16)
+    w = w.transpose(1, 2)  # [H, C, V], the strided view the layer passes
+    for batch in args.batches:
+        for ctx in args.contexts:
+            p = bench_kernels.MLAPoint(batch, ctx)
+            q = p.q(HEADS)
+            for kv_name in ("bf16", "fp8"):
+                fp8 = kv_name == "fp8"
+                kv = (p.cache8 if fp8 else p.cache).view(-1, 1, c + r)
+                cfg = md.gluon_config(HEADS, batch, ctx, fp8=fp8)
+
+                call = functools.partial(
+                    md.mla_decode, q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens, c,
+                    scale, k_scale=p.k_scale if fp8 else None, max_seq_len=ctx, config=cfg,
+                    value_proj=w,
+                )  # fmt: skip
+
+                times, outs = [], []
+                for rows in (max(limit, batch), 0):  # one kernel; then merge and GEMM
+                    md.MERGE_PROJECT_MAX_ROWS = rows
+                    times.append(bench_kernels.time_graph(call, args.calls, args.reps))
+                    outs.append(call().float())
+                md.MERGE_PROJECT_MAX_ROWS = limit
+                diff = (outs[0] - outs[1]).abs().max().item()
+                print(f"| {kv_name} | {batch} | {ctx} | {times[0] * 1e6:.1f} | "
+                      f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} |",
+                      flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
