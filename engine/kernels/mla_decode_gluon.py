@@ -30,7 +30,9 @@ Measured on an H200 (perf/RESULTS.md, run AL), page size 1: 1.08-1.15x the Trito
 batch 1 and 1.10-1.36x at batch 16-128; 0.93-1.15x FlashMLA's FP8 kernel at batch >= 16
 (0.84-0.88x at batch 1), with the Triton kernel's error. The engine takes it by default where
 it serves (`EngineConfig.mla_decode_kernel="auto"`); `MLADecodeConfig(..., gluon=N)` asks for
-it in a direct call.
+it in a direct call. On an H100 with the deep ring from 64K tokens and the split merge cut by
+columns at few rows (run AQ): 0.99-1.24x FlashMLA FP8 at batch 16-128 and 1.06-1.36x at batch
+1, where most of the old deficit was the merge's 16 programs, not this kernel.
 
 `MLADecodeConfig.pv_e4m3` runs PV as an e4m3 wgmma instead (as FlashMLA's FP8 kernel does):
 the converter warps write each tile's latent transposed, in e4m3, into a V^T ring
