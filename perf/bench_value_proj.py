@@ -6,7 +6,10 @@ requests) against the merge (`merge_splits`) and then the projection, on the eng
     PYTHONPATH=. python3 perf/bench_value_proj.py [--batches 1 4] [--contexts 1024 4096 16384]
 
 Prints us a call for each path (CUDA-graph replays, `bench_kernels.time_graph`) and the
-largest difference between the two outputs.
+largest difference between the two outputs. `--breakdown` adds each path without PDL, the
+attention without the projection (stage 1 and `merge_splits`), and the projection alone: run
+AQ found the two-kernel path slow at few splits (17.1 us at batch 1 ctx 1K against 7.8 for the
+attention alone), which these separate.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bench_kernels  # noqa: E402
 
+from engine.kernels import launch as kernel_launch  # noqa: E402
 from engine.kernels import mla_decode as md  # noqa: E402
 
 HEADS, V = 16, 128  # DeepSeek-V2-Lite: 16 heads, v_head_dim 128
@@ -34,16 +38,18 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--breakdown", action="store_true", help="PDL off, and each part alone")
     args = ap.parse_args()
     c, r = bench_kernels.C, bench_kernels.R
     scale = (c + r) ** -0.5
     limit = md.MERGE_PROJECT_MAX_ROWS
     print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={limit}")
-    print(
-        "| kv | batch | ctx | merge + projection in one kernel us | merge, then projection us "
-        "| one kernel vs two | max abs diff |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    head = "| kv | batch | ctx | merge + projection in one kernel us | merge, then projection us "
+    head += "| one kernel vs two | max abs diff |"
+    if args.breakdown:
+        head += " one kernel, no PDL | two, no PDL | stage 1 + merge | projection alone |"
+    print(head)
+    print("| --- " * (head.count("|") - 1) + "|")
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(HEADS, V, c, device="cuda", generator=g) / c**0.5).to(torch.bfloat16)
     w = w.transpose(1, 2)  # [H, C, V], the strided view the layer passes
@@ -69,9 +75,31 @@ def main() -> None:
                     outs.append(call().float())
                 md.MERGE_PROJECT_MAX_ROWS = limit
                 diff = (outs[0] - outs[1]).abs().max().item()
-                print(f"| {kv_name} | {batch} | {ctx} | {times[0] * 1e6:.1f} | "
-                      f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} |",
-                      flush=True)  # fmt: skip
+                line = f"| {kv_name} | {batch} | {ctx} | {times[0] * 1e6:.1f} | "
+                line += f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} |"
+                if args.breakdown:
+                    line += breakdown(call, args, limit, batch)
+                print(line, flush=True)
+
+
+def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, limit: int,
+              batch: int) -> str:  # fmt: skip
+    """Both paths with PDL off, then the attention without the projection and the
+    projection alone (PDL on), us as table cells."""
+    cells, pdl = [], kernel_launch.pdl_active()
+    kernel_launch.set_pdl(False)
+    try:
+        for rows in (max(limit, batch), 0):
+            md.MERGE_PROJECT_MAX_ROWS = rows
+            cells.append(bench_kernels.time_graph(call, args.calls, args.reps))
+    finally:
+        kernel_launch.set_pdl(pdl)
+        md.MERGE_PROJECT_MAX_ROWS = limit
+    attend = functools.partial(call, value_proj=None)
+    cells.append(bench_kernels.time_graph(attend, args.calls, args.reps))
+    out, w = attend(), call.keywords["value_proj"]
+    cells.append(bench_kernels.time_graph(lambda: md._project(out, w), args.calls, args.reps))
+    return "".join(f" {t * 1e6:.1f} |" for t in cells)
 
 
 if __name__ == "__main__":
