@@ -377,12 +377,13 @@ def test_merge_column_chunks() -> None:
     assert merge_column_chunks(4, 96, sms=132) == 1  # 48 columns: not cut
 
 
-@pytest.mark.parametrize("heads", [2, 64])  # 8 column chunks a row; one (192 rows)
-def test_merge_splits_in_chunks(device: torch.device, heads: int) -> None:
+# 8 column chunks a row, one (192 rows), and 2 of a GQA head's 128 columns
+@pytest.mark.parametrize(("heads", "width"), [(2, 512), (64, 512), (2, 128)])
+def test_merge_splits_in_chunks(device: torch.device, heads: int, width: int) -> None:
     """Splits read several chunks a row (512 wide: 16 a load), empty ones (-inf) skipped; the
     merge alone and merged with the value projection, against torch."""
     g = torch.Generator().manual_seed(4)
-    batch, splits, width, v = 3, 40, 512, 16
+    batch, splits, v = 3, 40, 16
     mid_o = torch.randn(batch, heads, splits, width, generator=g)
     lse = torch.randn(batch, heads, splits, generator=g) * 3
     for b, nonempty in enumerate([40, 17, 1]):  # all, past one chunk, only the first
