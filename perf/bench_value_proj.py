@@ -15,9 +15,11 @@ attention alone), which these separate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -42,8 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     c, r = bench_kernels.C, bench_kernels.R
     scale = (c + r) ** -0.5
-    limit = md.MERGE_PROJECT_MAX_ROWS
-    print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={limit}")
+    rows = md.MERGE_PROJECT_MAX_ROWS
+    print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={rows}")
     head = "| kv | batch | ctx | merge + projection in one kernel us | merge, then projection us "
     head += "| one kernel vs two | max abs diff |"
     if args.breakdown:
@@ -69,32 +71,40 @@ def main() -> None:
                 )  # fmt: skip
 
                 times, outs = [], []
-                for rows in (max(limit, batch), 0):  # one kernel; then merge and GEMM
-                    md.MERGE_PROJECT_MAX_ROWS = rows
-                    times.append(bench_kernels.time_graph(call, args.calls, args.reps))
-                    outs.append(call().float())
-                md.MERGE_PROJECT_MAX_ROWS = limit
+                for fused in (True, False):
+                    with merge_project(fused, batch):
+                        times.append(bench_kernels.time_graph(call, args.calls, args.reps))
+                        outs.append(call().float())
                 diff = (outs[0] - outs[1]).abs().max().item()
                 line = f"| {kv_name} | {batch} | {ctx} | {times[0] * 1e6:.1f} | "
                 line += f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} |"
                 if args.breakdown:
-                    line += breakdown(call, args, limit, batch)
+                    line += breakdown(call, args, batch)
                 print(line, flush=True)
 
 
-def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, limit: int,
-              batch: int) -> str:  # fmt: skip
+@contextlib.contextmanager
+def merge_project(fused: bool, batch: int) -> Iterator[None]:
+    """Within it, `mla_decode` merges and projects in one kernel (fused) or in two."""
+    limit = md.MERGE_PROJECT_MAX_ROWS
+    md.MERGE_PROJECT_MAX_ROWS = max(limit, batch) if fused else 0
+    try:
+        yield
+    finally:
+        md.MERGE_PROJECT_MAX_ROWS = limit
+
+
+def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, batch: int) -> str:
     """Both paths with PDL off, then the attention without the projection and the
     projection alone (PDL on), us as table cells."""
     cells, pdl = [], kernel_launch.pdl_active()
     kernel_launch.set_pdl(False)
     try:
-        for rows in (max(limit, batch), 0):
-            md.MERGE_PROJECT_MAX_ROWS = rows
-            cells.append(bench_kernels.time_graph(call, args.calls, args.reps))
+        for fused in (True, False):
+            with merge_project(fused, batch):
+                cells.append(bench_kernels.time_graph(call, args.calls, args.reps))
     finally:
         kernel_launch.set_pdl(pdl)
-        md.MERGE_PROJECT_MAX_ROWS = limit
     attend = functools.partial(call, value_proj=None)
     cells.append(bench_kernels.time_graph(attend, args.calls, args.reps))
     out, w = attend(), call.keywords["value_proj"]
