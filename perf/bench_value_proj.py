@@ -30,6 +30,7 @@ import bench_kernels  # noqa: E402
 
 from engine.kernels import launch as kernel_launch  # noqa: E402
 from engine.kernels import mla_decode as md  # noqa: E402
+from engine.kernels import small_gemm  # noqa: E402
 
 HEADS, V = 16, 128  # DeepSeek-V2-Lite: 16 heads, v_head_dim 128
 
@@ -41,15 +42,22 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--breakdown", action="store_true", help="PDL off, and each part alone")
+    ap.add_argument(
+        "--max-seq-len", type=int, default=0,
+        help="the split count's context, as a CUDA graph captured for the engine's longest "
+        "context has it (default: each point's own context)",
+    )  # fmt: skip
     args = ap.parse_args()
     c, r = bench_kernels.C, bench_kernels.R
     scale = (c + r) ** -0.5
-    rows = md.MERGE_PROJECT_MAX_ROWS
-    print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={rows}")
-    head = "| kv | batch | ctx | merge + projection in one kernel us | merge, then projection us "
-    head += "| one kernel vs two | max abs diff |"
+    rows, splits = md.MERGE_PROJECT_MAX_ROWS, md.MERGE_PROJECT_MAX_SPLITS
+    print(f"GPU: {torch.cuda.get_device_name()}  MERGE_PROJECT_MAX_ROWS={rows}  _SPLITS={splits}")
+    head = "| kv | batch | ctx | split count's ctx | merge + projection in one kernel us "
+    head += "| merge, then projection us | one kernel vs two | max abs diff | engine's pick us |"
     if args.breakdown:
         head += " one kernel, no PDL | two, no PDL | stage 1 + merge | projection alone |"
+        head += " two, projection without PDL | two, projection without its prefetch |"
+        head += " two, projection by torch.bmm |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -62,11 +70,12 @@ def main() -> None:
             for kv_name in ("bf16", "fp8"):
                 fp8 = kv_name == "fp8"
                 kv = (p.cache8 if fp8 else p.cache).view(-1, 1, c + r)
-                cfg = md.gluon_config(HEADS, batch, ctx, fp8=fp8)
+                max_len = max(ctx, args.max_seq_len)
+                cfg = md.gluon_config(HEADS, batch, max_len, fp8=fp8)
 
                 call = functools.partial(
                     md.mla_decode, q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens, c,
-                    scale, k_scale=p.k_scale if fp8 else None, max_seq_len=ctx, config=cfg,
+                    scale, k_scale=p.k_scale if fp8 else None, max_seq_len=max_len, config=cfg,
                     value_proj=w,
                 )  # fmt: skip
 
@@ -76,8 +85,10 @@ def main() -> None:
                         times.append(bench_kernels.time_graph(call, args.calls, args.reps))
                         outs.append(call().float())
                 diff = (outs[0] - outs[1]).abs().max().item()
-                line = f"| {kv_name} | {batch} | {ctx} | {times[0] * 1e6:.1f} | "
-                line += f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} |"
+                pick = bench_kernels.time_graph(call, args.calls, args.reps)
+                line = f"| {kv_name} | {batch} | {ctx} | {max_len} | {times[0] * 1e6:.1f} | "
+                line += f"{times[1] * 1e6:.1f} | {times[1] / times[0]:.2f}x | {diff:.1e} | "
+                line += f"{pick * 1e6:.1f} |"
                 if args.breakdown:
                     line += breakdown(call, args, batch)
                 print(line, flush=True)
@@ -86,12 +97,13 @@ def main() -> None:
 @contextlib.contextmanager
 def merge_project(fused: bool, batch: int) -> Iterator[None]:
     """Within it, `mla_decode` merges and projects in one kernel (fused) or in two."""
-    limit = md.MERGE_PROJECT_MAX_ROWS
-    md.MERGE_PROJECT_MAX_ROWS = max(limit, batch) if fused else 0
+    rows, splits = md.MERGE_PROJECT_MAX_ROWS, md.MERGE_PROJECT_MAX_SPLITS
+    md.MERGE_PROJECT_MAX_ROWS = max(rows, batch) if fused else 0
+    md.MERGE_PROJECT_MAX_SPLITS = 64 if fused else splits
     try:
         yield
     finally:
-        md.MERGE_PROJECT_MAX_ROWS = limit
+        md.MERGE_PROJECT_MAX_ROWS, md.MERGE_PROJECT_MAX_SPLITS = rows, splits
 
 
 def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, batch: int) -> str:
@@ -109,7 +121,31 @@ def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, b
     cells.append(bench_kernels.time_graph(attend, args.calls, args.reps))
     out, w = attend(), call.keywords["value_proj"]
     cells.append(bench_kernels.time_graph(lambda: md._project(out, w), args.calls, args.reps))
+    with merge_project(False, batch):
+        for variant in ("no PDL", "no prefetch", "bmm"):
+            two = functools.partial(two_kernels, attend, w, variant)
+            cells.append(bench_kernels.time_graph(two, args.calls, args.reps))
     return "".join(f" {t * 1e6:.1f} |" for t in cells)
+
+
+def two_kernels(
+    attend: functools.partial[torch.Tensor], w: torch.Tensor, variant: str
+) -> torch.Tensor:
+    """Stage 1 and the merge with PDL, then the projection: launched without PDL, with PDL but
+    without the weight's L2 prefetch before its wait, or by torch.bmm."""
+    out = attend()
+    if variant == "bmm":
+        return torch.bmm(out.transpose(0, 1), w).transpose(0, 1)
+    pdl, span = kernel_launch.pdl_active(), small_gemm.contiguous_span
+    try:
+        if variant == "no PDL":
+            kernel_launch.set_pdl(False)
+        else:
+            small_gemm.contiguous_span = lambda t: 0
+        return md._project(out, w)
+    finally:
+        kernel_launch.set_pdl(pdl)
+        small_gemm.contiguous_span = span
 
 
 if __name__ == "__main__":

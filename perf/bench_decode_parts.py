@@ -1,0 +1,113 @@
+"""Where an MLA decode call's time goes at 16 heads: the whole call (stage 1 and the split
+merge, as the engine runs them), stage 1 alone, the merge alone, and the call at other split
+counts, beside FlashMLA in the same process, over bf16 and FP8 caches on the engine's layout
+(page size 1) through the Gluon kernels as the engine picks them.
+
+    PYTHONPATH=. python3 perf/bench_decode_parts.py [--points 16x16384 64x16384 ...]
+        [--splits 4 8 16]
+
+Run AQ left the FP8 kernel at 0.99x FlashMLA FP8 at batch 16 and 64, ctx 16K, where both
+programs per request fill 128 of 132 SMs; this shows what the merge and the split count cost
+there. us a call (CUDA-graph replays, `bench_kernels.time_graph`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_kernels  # noqa: E402
+
+from engine.kernels import mla_decode as md  # noqa: E402
+from engine.kernels import mla_decode_gluon  # noqa: E402
+from engine.kernels.utils import choose_num_kv_splits, merge_splits  # noqa: E402
+
+HEADS = 16
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    batch, ctx = text.split("x")
+    return int(batch), int(ctx)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--points", nargs="+", type=parse_point,
+        default=[(16, 4096), (16, 16384), (64, 16384), (66, 16384), (128, 4096)],
+        help="batch x ctx",
+    )  # fmt: skip
+    ap.add_argument("--splits", type=int, nargs="*", default=[], help="also these split counts")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
+    head = "| kv | batch | ctx | FlashMLA us | splits | call us | stage 1 us | merge us |"
+    head += " other splits: us |"
+    print(head)
+    print("| --- " * (head.count("|") - 1) + "|")
+    for batch, ctx in args.points:
+        p = bench_kernels.MLAPoint(batch, ctx)
+        for kv_name in ("bf16", "fp8"):
+            print(measure(p, kv_name, args), flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
+def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -> str:
+    """One table row: FlashMLA, the call, stage 1 and the merge alone, other split counts."""
+    c, r = bench_kernels.C, bench_kernels.R
+    scale = (c + r) ** -0.5
+    batch, ctx, q = p.batch, p.ctx, p.q(HEADS)
+    fp8 = kv_name == "fp8"
+    kv = (p.cache8 if fp8 else p.cache).view(-1, c + r)
+    k_scale = p.k_scale if fp8 else None
+    cfg = md.gluon_config(HEADS, batch, ctx, fp8=fp8)
+    splits = choose_num_kv_splits(
+        batch, HEADS, ctx, cfg.gluon_heads, 64, waves=cfg.waves,
+        min_tokens_per_split=cfg.min_split_tokens,
+    )  # fmt: skip
+    call = functools.partial(
+        md.mla_decode, q, kv.unsqueeze(1), p.req_to_token, p.req_pool_indices, p.seq_lens, c,
+        scale, k_scale=k_scale, max_seq_len=ctx, config=cfg,
+    )  # fmt: skip
+    mid_o = torch.empty(batch, HEADS, splits, c, dtype=torch.float32, device="cuda")
+    mid_lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device="cuda")
+    out = q.new_empty(batch, HEADS, c)
+    stage1 = functools.partial(
+        mla_decode_gluon.launch_stage1, q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens,
+        mid_o, mid_lse, scale * md._LOG2E, k_scale, 1, cfg.num_stages, cfg.gluon, cfg.v_rows,
+        cfg.q_residual, cfg.gluon_heads, cfg.pv_e4m3,
+    )  # fmt: skip
+    merge = functools.partial(merge_splits, mid_o, mid_lse, out)
+
+    def t(fn: Callable[[], object]) -> str:
+        return f"{bench_kernels.time_graph(fn, args.calls, args.reps) * 1e6:.1f}"
+
+    fms = bench_kernels.flashmla_fns(p, q, scale)
+    fm = fms.get("fm_fp8" if fp8 else "fm_bf16")
+    cells = [kv_name, batch, ctx, t(fm) if fm else "-", splits, t(call), t(stage1)]
+    if splits > 1:
+        stage1()
+        merge()
+        err = (out.float() - call().float()).abs().max().item()
+        assert err < 1e-2, f"stage 1 + merge differ from the call by {err}"
+        cells.append(t(merge))
+    else:
+        cells.append("-")
+    others = [s for s in args.splits if s != splits]
+    cells.append(", ".join(f"{s}: {t(functools.partial(call, num_kv_splits=s))}" for s in others))
+    return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
+if __name__ == "__main__":
+    main()
