@@ -47,16 +47,16 @@ from engine.kernels.utils import (
 )
 
 _LOG2E = 1.4426950408889634
-# Batches up to this size merge the splits and apply the value projection in one kernel. Each
-# request's programs read the whole weight again (from L2 after the first), and each head's
-# splits are merged once per value slice, so larger batches and more heads (128: 16 MB of
-# partial outputs a request at 64 splits) go back to the merge and one GEMM. On an H100 at 16
-# heads (perf/RESULTS.md, run AQ, `perf/bench_value_proj.py`) the one kernel is 1.01-1.95x the
-# merge and GEMM at batch 1-4, except at batch 1 with 64 splits (ctx 16K: 0.74x), where the
-# merge cut by columns is faster; the two-kernel path is slow at few splits for a reason not yet
-# found, so the choice stays by rows.
+# Batches up to this size merge the splits and apply the value projection in one kernel
+# (`merge_project_wanted`). Each request's programs read the whole weight again (from L2 after
+# the first), and each head's splits are merged once per value slice, so larger batches, more
+# heads (128: 16 MB of partial outputs a request at 64 splits) and more splits go back to the
+# merge cut by columns and one GEMM. On an H100 at 16 heads (perf/RESULTS.md, runs AQ and AR,
+# `perf/bench_value_proj.py`) the one kernel is 1.01-1.95x the merge and GEMM at batch 1-4 up
+# to 33 splits, and 0.74x at batch 1 with 64 splits (ctx 16K).
 MERGE_PROJECT_MAX_ROWS = 4
 MERGE_PROJECT_MAX_HEADS = 16
+MERGE_PROJECT_MAX_SPLITS = 48
 
 
 @triton.jit
@@ -407,6 +407,16 @@ def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def merge_project_wanted(batch: int, num_heads: int, num_kv_splits: int) -> bool:
+    """Whether the split merge and the value projection run as one kernel (`_merge_project`)
+    rather than `merge_splits` and then `_project`: the MERGE_PROJECT_* limits above."""
+    return (
+        1 < num_kv_splits <= MERGE_PROJECT_MAX_SPLITS
+        and batch <= MERGE_PROJECT_MAX_ROWS
+        and num_heads <= MERGE_PROJECT_MAX_HEADS
+    )
+
+
 class MLADecodeConfig(NamedTuple):
     block_h: int
     block_n: int
@@ -624,11 +634,8 @@ def _launch(
     if value_proj is not None:
         assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
     # Few requests of few heads: the merge and the value projection in one launch.
-    merge_project = (
-        value_proj is not None
-        and num_kv_splits > 1
-        and batch <= MERGE_PROJECT_MAX_ROWS
-        and num_heads <= MERGE_PROJECT_MAX_HEADS
+    merge_project = value_proj is not None and merge_project_wanted(
+        batch, num_heads, num_kv_splits
     )
     out = None if merge_project else q.new_empty(batch, num_heads, c)
     mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)

@@ -10,8 +10,11 @@ import torch
 from engine.kernels.fp8 import quantize_fp8
 from engine.kernels.kv_store import store_mla_kv
 from engine.kernels.mla_decode import (
+    MERGE_PROJECT_MAX_ROWS,
+    MERGE_PROJECT_MAX_SPLITS,
     MLADecodeConfig,
     _merge_project,
+    merge_project_wanted,
     mla_decode,
     mla_decode_paged,
 )
@@ -337,7 +340,8 @@ def test_mla_decode_paged_slots(
     [
         ([37], 4, torch.float32),  # batch 1: the merge and W_UV in one kernel
         ([37], 4, torch.bfloat16),
-        ([200, 3, 64], 64, torch.float32),  # a graph's split count: most splits empty
+        ([200, 3, 4], 40, torch.float32),  # many splits, most of them empty
+        ([200, 3, 64], 64, torch.float32),  # a graph's split count: the merge, then the GEMM
         ([9, 81], 1, torch.float32),  # one split: stage 1's output through the small GEMM
         ([5 + 7 * i for i in range(10)], 3, torch.bfloat16),  # past the fused kernel's rows
         ([5 + 3 * i for i in range(20)], 2, torch.float32),  # past the small GEMM's: bmm
@@ -364,6 +368,16 @@ def test_mla_decode_value_proj(
     ref = torch.einsum("bhc,hcv->bhv", attn.float(), w.float())
     assert out.shape == (len(seq_lens), heads, v) and out.dtype == dtype
     assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+def test_merge_project_wanted() -> None:
+    """One kernel for the merge and W_UV at few rows, heads and splits; past any limit two."""
+    assert merge_project_wanted(1, 16, 8)
+    assert merge_project_wanted(MERGE_PROJECT_MAX_ROWS, 16, MERGE_PROJECT_MAX_SPLITS)
+    assert not merge_project_wanted(1, 16, 1)  # nothing to merge
+    assert not merge_project_wanted(1, 16, 64)  # batch 1 at ctx 16K: the merge cut by columns
+    assert not merge_project_wanted(MERGE_PROJECT_MAX_ROWS + 1, 16, 8)
+    assert not merge_project_wanted(1, 128, 8)
 
 
 def test_merge_column_chunks() -> None:
