@@ -633,10 +633,8 @@ def _launch(
 
     if value_proj is not None:
         assert value_proj.shape[:2] == (num_heads, c), (value_proj.shape, q.shape)
-    # Few requests of few heads: the merge and the value projection in one launch.
-    merge_project = value_proj is not None and merge_project_wanted(
-        batch, num_heads, num_kv_splits
-    )
+    # Few requests, heads and splits: the merge and the value projection in one launch.
+    merge_project = value_proj is not None and merge_project_wanted(batch, num_heads, num_kv_splits)
     out = None if merge_project else q.new_empty(batch, num_heads, c)
     mid_lse = torch.empty((batch, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     # One split: stage 1 writes the final output itself and there is nothing to merge.
