@@ -80,6 +80,7 @@ from write_v2lite_checkpoint import write_checkpoint  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
+from engine.kernels import mla_decode  # noqa: E402
 
 COMPUTE_PEAK = 790e12  # dense bf16 FLOP/s taken as the H200's prefill ceiling
 KV_DTYPES = {"bf16": "auto", "fp8": "fp8_e4m3", "fp8_gluon": "fp8_e4m3", "fp8_triton": "fp8_e4m3"}
@@ -1137,6 +1138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tp-graphs", action="store_true", help="with --tp-size > 1: cuda_graph_with_tp"
     )
     ap.add_argument("--json", help="write the results here (rewritten after every task)")
+    ap.add_argument(
+        "--merge-project-max-splits", type=int, default=None,
+        help="mla_decode.MERGE_PROJECT_MAX_SPLITS for this run (64: the split merge and W_UV "
+        "in one kernel at any split count, the choice before run AR)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     if a.ns:
         a.ns_list = [int(x) for x in a.ns.split(",")]
@@ -1226,6 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.merge_project_max_splits is not None:
+        mla_decode.MERGE_PROJECT_MAX_SPLITS = args.merge_project_max_splits
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]
