@@ -72,8 +72,9 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
     kv = (p.cache8 if fp8 else p.cache).view(-1, c + r)
     k_scale = p.k_scale if fp8 else None
     cfg = md.gluon_config(HEADS, batch, ctx, fp8=fp8)
+    # The split count `mla_decode` picks for the Gluon kernel (its heads and tokens a program).
     splits = choose_num_kv_splits(
-        batch, HEADS, ctx, cfg.gluon_heads, 64, waves=cfg.waves,
+        batch, HEADS, ctx, cfg.gluon_heads, mla_decode_gluon.BLOCK_N.value, waves=cfg.waves,
         min_tokens_per_split=cfg.min_split_tokens,
     )  # fmt: skip
     call = functools.partial(

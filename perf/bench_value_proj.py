@@ -1,15 +1,20 @@
 """MLA decode with the value projection (W_UV) at a few requests: the split merge and the
 projection in one kernel (`_merge_project`, the engine's pick up to MERGE_PROJECT_MAX_ROWS
-requests) against the merge (`merge_splits`) and then the projection, on the engine's layout
-(page size 1) over bf16 and FP8 caches, through the Gluon kernels as the engine picks them.
+requests and MERGE_PROJECT_MAX_SPLITS splits: `merge_project_wanted`) against the merge
+(`merge_splits`) and then the projection, on the engine's layout (page size 1) over bf16 and
+FP8 caches, through the Gluon kernels as the engine picks them.
 
     PYTHONPATH=. python3 perf/bench_value_proj.py [--batches 1 4] [--contexts 1024 4096 16384]
+        [--max-seq-len 32768] [--breakdown]
 
-Prints us a call for each path (CUDA-graph replays, `bench_kernels.time_graph`) and the
-largest difference between the two outputs. `--breakdown` adds each path without PDL, the
-attention without the projection (stage 1 and `merge_splits`), and the projection alone: run
+Prints us a call for each path and for the engine's pick (CUDA-graph replays,
+`bench_kernels.time_graph`) and the largest difference between the two outputs.
+`--max-seq-len` sets the context the split count is chosen for, as a CUDA graph captured for
+the engine's longest context has it. `--breakdown` adds each path without PDL, the attention
+without the projection (stage 1 and `merge_splits`), the projection alone, and the two-kernel
+path with its projection launched without PDL, without its L2 prefetch, or by torch.bmm: run
 AQ found the two-kernel path slow at few splits (17.1 us at batch 1 ctx 1K against 7.8 for the
-attention alone), which these separate.
+attention alone), which these separate (run AR).
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def merge_project(fused: bool, batch: int) -> Iterator[None]:
     """Within it, `mla_decode` merges and projects in one kernel (fused) or in two."""
     rows, splits = md.MERGE_PROJECT_MAX_ROWS, md.MERGE_PROJECT_MAX_SPLITS
     md.MERGE_PROJECT_MAX_ROWS = max(rows, batch) if fused else 0
-    md.MERGE_PROJECT_MAX_SPLITS = 64 if fused else splits
+    md.MERGE_PROJECT_MAX_SPLITS = 64 if fused else splits  # 64: `choose_num_kv_splits`'s most
     try:
         yield
     finally:
