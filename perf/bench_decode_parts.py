@@ -8,7 +8,8 @@ counts, beside FlashMLA in the same process, over bf16 and FP8 caches on the eng
 
 Run AQ left the FP8 kernel at 0.99x FlashMLA FP8 at batch 16 and 64, ctx 16K, where both
 programs per request fill 128 of 132 SMs; this shows what the merge and the split count cost
-there. us a call (CUDA-graph replays, `bench_kernels.time_graph`).
+there. us a call (CUDA-graph replays, `bench_kernels.time_graph`); "merge apart": the call with
+`merge_splits` after stage 1 instead of the merge inside it (`MLADecodeConfig.merge_inside`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ def main() -> None:
         help="batch x ctx",
     )  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also these split counts")
+    ap.add_argument(
+        "--pv-e4m3", action="store_true",
+        help="FP8 rows: also PV as e4m3 wgmmas with P as two e4m3 terms (2 tiles, 2 V^T slots)",
+    )  # fmt: skip
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
-    head = "| kv | batch | ctx | FlashMLA us | splits | call us | stage 1 us | merge us |"
+    head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge apart us |"
+    head += " stage 1 us | merge us |"
+    if args.pv_e4m3:
+        head += " fp8: e4m3 PV, P two terms us |"
     head += " other splits: us |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
@@ -96,7 +104,8 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
 
     fms = bench_kernels.flashmla_fns(p, q, scale)
     fm = fms.get("fm_fp8" if fp8 else "fm_bf16")
-    cells = [kv_name, batch, ctx, t(fm) if fm else "-", splits, t(call), t(stage1)]
+    apart = functools.partial(call, config=cfg._replace(merge_inside=False))
+    cells = [kv_name, batch, ctx, t(fm) if fm else "-", splits, t(call), t(apart), t(stage1)]
     if splits > 1:
         stage1()
         merge()
@@ -105,6 +114,13 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
         cells.append(t(merge))
     else:
         cells.append("-")
+    if args.pv_e4m3:
+        cells.append("-")
+        if fp8:
+            pv8 = cfg._replace(num_stages=2, gluon=2, v_rows=64, pv_e4m3=True, p_residual=True)
+            pv8_call = functools.partial(call, config=pv8)
+            err = bench_kernels.rel_err(pv8_call(), call())
+            cells[-1] = f"{t(pv8_call)} (err {err:.1e} vs the call)"
     others = [s for s in args.splits if s != splits]
     cells.append(", ".join(f"{s}: {t(functools.partial(call, num_kv_splits=s))}" for s in others))
     return "| " + " | ".join(str(x) for x in cells) + " |"

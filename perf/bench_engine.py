@@ -1143,6 +1143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="mla_decode.MERGE_PROJECT_MAX_SPLITS for this run (64: the split merge and W_UV "
         "in one kernel at any split count, the choice before run AR)",
     )  # fmt: skip
+    ap.add_argument(
+        "--merge-apart", action="store_true",
+        help="mla_decode.MERGE_INSIDE off: the split merge as a kernel of its own after stage 1",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     if a.ns:
         a.ns_list = [int(x) for x in a.ns.split(",")]
@@ -1234,6 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge_project_max_splits is not None:
         mla_decode.MERGE_PROJECT_MAX_SPLITS = args.merge_project_max_splits
+    if args.merge_apart:
+        mla_decode.MERGE_INSIDE = False
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]

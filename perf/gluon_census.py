@@ -48,6 +48,9 @@ PATTERNS = {
     "bar.sync": r"bar\.sync",
     "pdl wait": r"griddepcontrol\.wait",
     "pdl launch": r"griddepcontrol\.launch_dependents",
+    "merge release": r"red\.global\.gpu\.release\.add",
+    "merge acquire": r"ld\.global\.gpu\.acquire",
+    "merge reset": r"atom\.global\.gpu\.relaxed\.exch",
 }
 _INTS = (
     "stride_qb stride_qh stride_kv stride_table stride_mob stride_moh stride_mos stride_mlb "
@@ -70,19 +73,24 @@ def compile_kernel(
     pdl: bool = True,
     pv_e4m3: bool = False,
     bf16: bool = False,
+    merge_chunks: int = 0,
+    merge_s_pad: int = 1,
+    p_residual: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
-    an e4m3 pool or (`bf16`) a bf16 one."""
+    an e4m3 pool or (`bf16`) a bf16 one; `merge_chunks` > 0: with the split merge inside."""
     sig = {
         "q_ptr": "*bf16", "kv_ptr": "*bf16" if bf16 else "*fp8e4nv", "table_ptr": "*i32",
         "row_idx_ptr": "*i64",
         "seq_lens_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "qk_scale": "fp32",
-        "k_scale_ptr": "*fp32", **dict.fromkeys(_INTS, "i32"),
+        "k_scale_ptr": "*fp32", **dict.fromkeys(_INTS, "i32"), "out_ptr": "*bf16",
+        "counter_ptr": "*i32", "stride_ob": "i32", "stride_oh": "i32",
     }  # fmt: skip
     consts: dict[str, Any] = {
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
+        "P_RESIDUAL": p_residual, "MERGE_CHUNKS": merge_chunks, "MERGE_S_PAD": merge_s_pad,
         "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
@@ -181,14 +189,21 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="the 16-head kernel over a bf16 pool")
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
+    ap.add_argument("--p-residual", action="store_true", help="with --pv-e4m3: P as two terms")
+    ap.add_argument(
+        "--merge-splits", type=int, default=0, help="with the split merge inside, of this many"
+    )
     args = ap.parse_args()
     pdl = not args.no_pdl
     if args.wide:
         kernel = compile_wide(args.page, args.stages, args.fp8, not args.one_term, pdl)
     else:
+        chunks, s_pad = (0, 1)
+        if args.merge_splits > 1:
+            chunks, s_pad = mla_decode_gluon.merge_shape(args.merge_splits, 512)
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3, args.bf16,
+            pdl, args.pv_e4m3, args.bf16, chunks, s_pad, args.p_residual,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

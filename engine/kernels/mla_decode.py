@@ -18,6 +18,7 @@ the output for PV.
 
 from __future__ import annotations
 
+from math import prod
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ from engine.kernels.utils import (
     merge_row,
     merge_splits,
     next_power_of_2,
+    num_sms,
     online_softmax_step,
     pdl_wait,
     row_product,
@@ -57,6 +59,9 @@ _LOG2E = 1.4426950408889634
 MERGE_PROJECT_MAX_ROWS = 4
 MERGE_PROJECT_MAX_HEADS = 16
 MERGE_PROJECT_MAX_SPLITS = 48
+# The split merge inside the 16-head Gluon kernel where `MLADecodeConfig.merge_inside` asks for
+# it and the grid fits the SMs (`perf/bench_engine.py --merge-apart` turns it off for a run).
+MERGE_INSIDE = True
 
 
 @triton.jit
@@ -463,6 +468,12 @@ class MLADecodeConfig(NamedTuple):
     # (v_rows 64). Opt-in: 1.02-1.07x the fp16 PV at batch 1-16 on an H100, but P's e4m3
     # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
+    # With pv_e4m3: P as two e4m3 terms (P and 16x its rounding error, PV's N doubled), about
+    # bf16's rounding of P instead of e4m3's.
+    p_residual: bool = False
+    # With gluon (16 heads a program): the split merge inside stage 1 where the grid fits the
+    # SMs (`mla_decode_gluon._merge_here`) instead of `merge_splits` after it.
+    merge_inside: bool = True
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -645,11 +656,18 @@ def _launch(
             (batch, num_heads, num_kv_splits, c), dtype=torch.float32, device=q.device
         )
     grid = (cdiv(num_heads, block_h), num_kv_splits, batch)
+    # The merge inside the Gluon kernel: its programs wait for each other, so the whole grid
+    # must be resident at once (one program an SM).
+    counters = None
+    merge_inside = MERGE_INSIDE and gluon and cfg.merge_inside
+    merge_inside = merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
+    if merge_inside and out is not None and num_kv_splits > 1 and prod(grid) <= num_sms():
+        counters = mla_decode_gluon.merge_counters(q.device)
     if gluon:
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3,
+            cfg.pv_e4m3, out if counters is not None else None, counters, cfg.p_residual,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(
@@ -704,7 +722,7 @@ def _launch(
         y = q.new_empty(batch, num_heads, value_proj.shape[2])
         _merge_project(mid_o, mid_lse, value_proj, y)
         return y
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and counters is None:
         merge_splits(mid_o, mid_lse, out)
     return out if value_proj is None else _project(out, value_proj)
 

@@ -49,6 +49,12 @@ QK issued ahead, as the FP8 form does, both slots would be held while one tile i
 and no gather would be in flight: 1.04-1.20x slower on an H100, run AO). On an H100 (run AO):
 1.00-2.21x FlashMLA bf16 over batch 1-128, ctx 1K-16K.
 
+Where the whole grid fits the SMs at once (one program an SM), the 16-head form merges the
+splits itself (`_merge_here`, `MLADecodeConfig.merge_inside`): each program counts itself in on
+a per-(request, head group) counter once its split is stored, and the first programs of the
+request then wait for the rest and each merge a slice of the columns, so that no merge kernel
+follows. (Waiting on other programs is safe only because all of them are resident.)
+
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
 reads its first tile's slot ids, and each partition that reads q or the cache or writes its
@@ -295,13 +301,20 @@ def _issue_qk(lat, pe, q_s, q_pe_s, zero):
 
 
 @gluon.jit
+def _sum_terms(x, HEADS: gl.constexpr):
+    """x [rows, 2 x HEADS] with two terms' columns (h and HEADS + h) -> the first plus the
+    second / 16, [rows, HEADS]; a thread of an m64n32 accumulator holds both columns."""
+    main, res = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, HEADS]), (0, 2, 1)))
+    return main + res * (1.0 / 16.0)
+
+
+@gluon.jit
 def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
     """Scores [tokens, heads] from the QK chain's [tokens, q rows]: with q's two terms stacked
     (rows h and HEADS + h) the first plus the second / 16; at 16 heads a thread holds both
     (registers j and j + 2 of the m64n32 accumulator), so the split moves no data."""
     if sq.shape[1] == 2 * HEADS:
-        main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, HEADS]), (0, 2, 1)))
-        qk = gl.convert_layout(main + res * (1.0 / 16.0), s_layout)
+        qk = gl.convert_layout(_sum_terms(sq, HEADS), s_layout)
     else:
         qk = sq
     return qk
@@ -312,16 +325,20 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
+            MERGE_CHUNKS: gl.constexpr, MERGE_S_PAD: gl.constexpr, P_TERMS: gl.constexpr,
             USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
     e4m3 V^T ring (`_transposer`) as an e4m3 wgmma with P in e4m3 (times P_SCALE; the row sums
-    are of the rounded P, so that the normalization matches what PV summed)."""
+    are of the rounded P, so that the normalization matches what PV summed); with P_TERMS 2,
+    P as two e4m3 terms (P and 16x its rounding error, stacked as the wgmma's N: O^T [C, 2 x
+    heads], the second half added / 16 at the end), about bf16's rounding instead of e4m3's."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
     _pdl_wait(USE_PDL)
-    HEADS: gl.constexpr = p_s.shape[0]
+    HEADS: gl.constexpr = p_s.shape[0] // P_TERMS
     # A 16-bit cache (`SIXTEEN`): q as it is, no scales, and V the ring's own latent.
     SIXTEEN: gl.constexpr = lat_ring.dtype != gl.float8e4nv
     if SIXTEEN:
@@ -343,11 +360,11 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, QK_K]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32 if PV8 else 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P_TERMS * HEADS, 32 if PV8 else 16]
     )
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
-    acc = gl.zeros([C, HEADS], gl.float32, o_layout)
+    acc = gl.zeros([C, P_TERMS * HEADS], gl.float32, o_layout)
     Q_ROWS: gl.constexpr = q_s.shape[0]
     sq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, QK_K]
@@ -392,14 +409,21 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         p = gl.exp2(qk - m_new[None, :])
         if PV8:
             p8 = (p * P_SCALE).to(gl.float8e4nv)
-            l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
-            p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
+            kept = p8.to(gl.float32)
+            if P_TERMS == 2:
+                r8 = ((p * P_SCALE - kept) * 16.0).to(gl.float8e4nv)
+                kept = kept + r8.to(gl.float32) * (1.0 / 16.0)
+                p_s.slice(HEADS, HEADS).store(gl.permute(_v_token_order(r8), (1, 0)))
+            l_i = l_i * alpha + gl.sum(kept, 0) * (1.0 / P_SCALE)
+            p_s.slice(0, HEADS).store(gl.permute(_v_token_order(p8), (1, 0)))
         else:
             l_i = l_i * alpha + gl.sum(p, 0)
             p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
         m_i = m_new
         fence_async_shared()
         _barrier()
+        if P_TERMS == 2:
+            alpha = gl.reshape(gl.permute(gl.join(alpha, alpha), (1, 0)), [2 * HEADS])
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if SIXTEEN:
             # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
@@ -432,20 +456,91 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     if end > start:
         gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
         pv_scale: gl.constexpr = P_SCALE if PV8 else 1.0
-        inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, o_layout))
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
+        if P_TERMS == 2:
+            o = _sum_terms(acc, HEADS)
+        else:
+            o = acc
+        out_layout: gl.constexpr = o.type.layout
+        inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, out_layout))
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, out_layout))
         if PV8:
             offs_c = _v_rows_to_latent(offs_c)
-        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
+        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
             + split * stride_mos + offs_c[:, None]
         )  # fmt: skip
-        out = acc * inv[None, :]
+        out = o * inv[None, :]
         gl.store(o_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[None, :])
     else:
         empty = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
         gl.store(lse_ptrs, empty, mask=offs_h < num_heads)
+    if MERGE_CHUNKS > 0:
+        _merge_here(
+            mid_o_ptr, mid_lse_ptr, out_ptr, counter_ptr + b * gl.num_programs(0) + hg, b, split,
+            hg, num_heads, num_splits, stride_mob, stride_moh, stride_mos, stride_mlb,
+            stride_mlh, stride_ob, stride_oh, HEADS, C, MERGE_CHUNKS, MERGE_S_PAD,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _merge_here(mid_o_ptr, mid_lse_ptr, out_ptr, counter, b, split, hg, num_heads, num_splits,
+                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                HEADS: gl.constexpr, C: gl.constexpr, CHUNKS: gl.constexpr,
+                S_PAD: gl.constexpr):  # fmt: skip
+    """The split merge inside stage 1 (`merge_splits`' arithmetic): each program of a (request,
+    head group) counts itself in on `counter` once its split is stored; the first CHUNKS of
+    them then wait until all `num_splits` have, and each merges its own C // CHUNKS columns of
+    every head into the output. The last of those sets the counter back to 0 for the next
+    launch. Waiting inside a kernel is safe only while every program of the grid is resident
+    at once: `mla_decode._launch` asks for this only when the grid fits the SMs (one program
+    an SM), and the dependent launch starts only after every program has begun."""
+    # Every warp's stores of this split are done before one thread publishes them (the
+    # release is cumulative over what the barrier ordered before it).
+    _barrier()
+    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+    if split < CHUNKS:
+        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        while seen < num_splits:
+            seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        W: gl.constexpr = C // CHUNKS
+        VEC: gl.constexpr = 4 if W >= 4 else W
+        TW: gl.constexpr = 32 if W // VEC >= 32 else W // VEC
+        TS: gl.constexpr = 32 // TW if 32 // TW <= S_PAD else S_PAD
+        layout: gl.constexpr = gl.BlockedLayout(
+            [1, 1, VEC], [32 // (TW * TS), TS, TW], [gl.num_warps(), 1, 1], [2, 1, 0]
+        )
+        hs: gl.constexpr = gl.SliceLayout(2, layout)  # [heads, splits]
+        hc: gl.constexpr = gl.SliceLayout(1, layout)  # [heads, columns]
+        offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, hs))
+        offs_s = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, hs))
+        offs_c = split * W + gl.arange(0, W, layout=gl.SliceLayout(0, hc))
+        lse_ptrs = (
+            mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h[:, None] * stride_mlh
+            + offs_s[None, :]
+        )  # fmt: skip
+        lse_mask = (offs_h < num_heads)[:, None] & (offs_s < num_splits)[None, :]
+        # NOTE: ".cg": the other programs' rows are read from L2, never from this SM's L1.
+        lse = gl.load(lse_ptrs, mask=lse_mask, other=float("-inf"), cache_modifier=".cg")
+        m = gl.max(lse, 1)  # finite for a real head: split 0 always holds a token
+        w = gl.exp2(lse - m[:, None])  # 0 for an empty split (its rows are never written)
+        o_ptrs = (
+            mid_o_ptr + b.to(gl.int64) * stride_mob + offs_h[:, None, None] * stride_moh
+            + offs_s[None, :, None] * stride_mos + offs_c[None, None, :]
+        )  # fmt: skip
+        rows = gl.load(o_ptrs, mask=(w > 0.0)[:, :, None], other=0.0, cache_modifier=".cg")
+        acc = gl.sum(w[:, :, None] * rows, 1)
+        denom = gl.convert_layout(gl.sum(w, 1), gl.SliceLayout(1, hc))
+        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, hc))
+        out_ptrs = (
+            out_ptr + b.to(gl.int64) * stride_ob + offs_ho[:, None] * stride_oh
+            + offs_c[None, :]
+        )  # fmt: skip
+        out = acc / denom[:, None]
+        gl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[:, None])
+        done = gl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+        if done == num_splits + CHUNKS - 1:
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -530,10 +625,14 @@ def mla_decode_fp8_ws_kernel(
     stride_qb, stride_qh, stride_kv, stride_table,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     num_heads, num_splits,
+    out_ptr,  # [B, H, C] with MERGE_CHUNKS (the merged output), else unused
+    counter_ptr,  # [B x head groups] int32, zero between launches (with MERGE_CHUNKS)
+    stride_ob, stride_oh,
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
-    PV_E4M3: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    PV_E4M3: gl.constexpr = False, P_RESIDUAL: gl.constexpr = False,
+    MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -569,7 +668,8 @@ def mla_decode_fp8_ws_kernel(
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
         # what lets the transposer's stores spread over all banks.
         e4m3_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, BLOCK_N], e4m3_p)
+        P_ROWS: gl.constexpr = 2 * HEADS if P_RESIDUAL else HEADS
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [P_ROWS, BLOCK_N], e4m3_p)
         v_ring = gl.allocate_shared_memory(gl.float8e4nv, [V_STAGES, C, 2 * BLOCK_N], e4m3_128)
     else:
         p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
@@ -598,7 +698,9 @@ def mla_decode_fp8_ws_kernel(
                         q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
                         pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
-                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                        out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
+                        MERGE_CHUNKS, MERGE_S_PAD, 2 if PV_E4M3 and P_RESIDUAL else 1, USE_PDL,
                     ),
                 ),
                 (
@@ -621,7 +723,9 @@ def mla_decode_fp8_ws_kernel(
                         q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring,
                         pe_ring, v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr,
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
-                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, USE_PDL,
+                        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                        out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
+                        MERGE_CHUNKS, MERGE_S_PAD, 2 if PV_E4M3 and P_RESIDUAL else 1, USE_PDL,
                     ),
                 ),
                 (
@@ -639,6 +743,33 @@ def mla_decode_fp8_ws_kernel(
             [CONVERTER_WARPS, LOADER_WARPS],
             [CONVERTER_REGS, LOADER_REGS],
         )  # fmt: skip
+
+
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_shape(num_splits: int, width: int) -> tuple[int, int]:
+    """`_merge_here`'s CHUNKS (the programs that merge, each width // CHUNKS columns: a power
+    of two, at most one a split and at least 8 columns each) and S_PAD (the splits, padded to
+    a power of two)."""
+    s_pad = triton.next_power_of_2(num_splits)
+    return min(s_pad if s_pad == num_splits else s_pad // 2, width // 8), s_pad
+
+
+def merge_counters(device: torch.device) -> torch.Tensor | None:
+    """The in-kernel merge's counters on `device` (`_merge_here`): one int32 an SM, as a grid
+    that fits the SMs has no more (request, head group) pairs than that; zeroed once, and each
+    launch leaves them at zero. None while a CUDA graph is being captured before any eager call
+    made them (their zeroing would be the graph's): the caller merges apart then. Launches on
+    one device share them, so they must not overlap in time: the engine keeps its GPU work in
+    one stream order (`engine.executor.device_lock`)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is None and not torch.cuda.is_current_stream_capturing():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        counters = _MERGE_COUNTERS[device] = torch.zeros(sms, dtype=torch.int32, device=device)
+    return counters
 
 
 def fits(device: torch.device, kv_lora_rank: int, rope_dim: int, page_size: int) -> bool:
@@ -669,12 +800,17 @@ def launch_stage1(
     q_residual: bool,
     heads: int = BLOCK_H.value,
     pv_e4m3: bool = False,
+    out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    p_residual: bool = False,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
     unused): writes mid_o [B, H, S, C] (or the output, S == 1) and mid_lse [B, H, S] as
     `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
-    e4m3 V (v_stages slots of a whole tile)."""
+    e4m3 V (v_stages slots of a whole tile). With `out` [B, H, C] and `counters`
+    (`merge_counters`) the splits are merged inside the kernel into `out` (`_merge_here`; the
+    caller makes sure the grid fits the SMs). `p_residual` (with pv_e4m3): P as two e4m3 terms."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -689,14 +825,23 @@ def launch_stage1(
         k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
-    grid = (triton.cdiv(num_heads, heads), mid_lse.shape[2], batch)
+    num_splits = mid_lse.shape[2]
+    grid = (triton.cdiv(num_heads, heads), num_splits, batch)
+    merge_chunks = merge_s_pad = 0
+    if out is not None:
+        assert counters is not None and num_splits > 1, "an in-kernel merge needs counters, splits"
+        assert counters.numel() >= grid[0] * batch and counters.dtype == torch.int32
+        merge_chunks, merge_s_pad = merge_shape(num_splits, c)
+    else:
+        out, counters = mid_lse, seq_lens
     launch(
         mla_decode_fp8_ws_kernel, grid,
         q, kv, table, row_idx if row_idx is not None else seq_lens, seq_lens, mid_o, mid_lse,
         qk_scale, k_scale, q.stride(0), q.stride(1), kv.stride(0), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        num_heads, mid_lse.shape[2], C=c, R=head_dim - c, PAGE_SIZE=page_size,
-        SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None, STAGES=stages,
-        V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual,
-        HEADS=heads, PV_E4M3=pv_e4m3, num_warps=4, pdl=True,
+        num_heads, num_splits, out, counters, out.stride(0), out.stride(1), C=c, R=head_dim - c,
+        PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
+        STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
+        PV_E4M3=pv_e4m3, P_RESIDUAL=pv_e4m3 and p_residual, MERGE_CHUNKS=merge_chunks,
+        MERGE_S_PAD=max(merge_s_pad, 1), num_warps=4, pdl=True,
     )  # fmt: skip
