@@ -47,10 +47,6 @@ def main() -> None:
         help="batch x ctx",
     )  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also these split counts")
-    ap.add_argument(
-        "--pv-e4m3", action="store_true",
-        help="FP8 rows: also PV as e4m3 wgmmas with P as two e4m3 terms (2 tiles, 2 V^T slots)",
-    )  # fmt: skip
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
@@ -58,8 +54,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
     head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge apart us |"
     head += " stage 1 us | merge us |"
-    if args.pv_e4m3:
-        head += " fp8: e4m3 PV, P two terms us |"
+
     head += " other splits: us |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
@@ -114,13 +109,6 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
         cells.append(t(merge))
     else:
         cells.append("-")
-    if args.pv_e4m3:
-        cells.append("-")
-        if fp8:
-            pv8 = cfg._replace(num_stages=2, gluon=2, v_rows=64, pv_e4m3=True, p_residual=True)
-            pv8_call = functools.partial(call, config=pv8)
-            err = bench_kernels.rel_err(pv8_call(), call())
-            cells[-1] = f"{t(pv8_call)} (err {err:.1e} vs the call)"
     others = [s for s in args.splits if s != splits]
     cells.append(", ".join(f"{s}: {t(functools.partial(call, num_kv_splits=s))}" for s in others))
     return "| " + " | ".join(str(x) for x in cells) + " |"

@@ -315,8 +315,6 @@ GLUON = [
     # terms or one.
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True),
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2, pv_e4m3=True),
-    # The same with P as two e4m3 terms (PV's N doubled; P's rounding about bf16's).
-    M(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True, p_residual=True),
 ]
 # The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
 # read by half as many programs; V in 32-token slots so that it fits).
@@ -398,7 +396,7 @@ TUNE = {
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
-    flags += (cfg.gluon_heads, cfg.pv_e4m3, cfg.p_residual)
+    flags += (cfg.gluon_heads, cfg.pv_e4m3)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

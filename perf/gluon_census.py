@@ -75,7 +75,6 @@ def compile_kernel(
     bf16: bool = False,
     merge_chunks: int = 0,
     merge_s_pad: int = 1,
-    p_residual: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
     an e4m3 pool or (`bf16`) a bf16 one; `merge_chunks` > 0: with the split merge inside."""
@@ -90,7 +89,7 @@ def compile_kernel(
         "C": 512, "R": 64, "PAGE_SIZE": page_size, "SLOT_TABLE": page_size == 1,
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
-        "P_RESIDUAL": p_residual, "MERGE_CHUNKS": merge_chunks, "MERGE_S_PAD": merge_s_pad,
+        "MERGE_CHUNKS": merge_chunks, "MERGE_S_PAD": merge_s_pad,
         "USE_PDL": pdl,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
@@ -189,7 +188,6 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="the 16-head kernel over a bf16 pool")
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
-    ap.add_argument("--p-residual", action="store_true", help="with --pv-e4m3: P as two terms")
     ap.add_argument(
         "--merge-splits", type=int, default=0, help="with the split merge inside, of this many"
     )
@@ -203,7 +201,7 @@ def main() -> None:
             chunks, s_pad = mla_decode_gluon.merge_shape(args.merge_splits, 512)
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3, args.bf16, chunks, s_pad, args.p_residual,
+            pdl, args.pv_e4m3, args.bf16, chunks, s_pad,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

@@ -94,15 +94,6 @@ def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
     assert "transposer store conflicts: 0" in report, report
 
 
-def test_gluon_p_residual_compiles_for_hopper() -> None:
-    """`pv_e4m3` with `p_residual`: P's two e4m3 terms stacked as PV's N, so PV is 8 M-blocks x
-    2 k-steps of m64n32k32 (QK's shape too) and nothing else; it still fits."""
-    counts, report = _census(["--pv-e4m3", "--p-residual"], pdl_partitions=2, spill_limit=32)
-    assert counts["wgmma e4m3"] == 36 + 16, report
-    assert "m64n32k32" in report and "m64n16k32" not in report, report
-    assert counts["wgmma f16"] == 0, report
-
-
 @pytest.mark.parametrize("splits", [2, 8, 33, 64])
 def test_gluon_merge_inside_compiles_for_hopper(splits: int) -> None:
     """The split merge inside the kernel: one thread publishes its split with a release

@@ -60,8 +60,12 @@ MERGE_PROJECT_MAX_ROWS = 4
 MERGE_PROJECT_MAX_HEADS = 16
 MERGE_PROJECT_MAX_SPLITS = 48
 # The split merge inside the 16-head Gluon kernel where `MLADecodeConfig.merge_inside` asks for
-# it and the grid fits the SMs (`perf/bench_engine.py --merge-apart` turns it off for a run).
+# it, the grid fits the SMs and there are at most MERGE_INSIDE_MAX_SPLITS splits
+# (`perf/bench_engine.py --merge-apart` turns it off for a run). On an H100 (perf/RESULTS.md,
+# run AS) it took 0.7-2.5 us off the call at 8 splits (batch 16) and cost 0.8-1.1 us at 64
+# (batch 1, where 64 programs wait on one counter).
 MERGE_INSIDE = True
+MERGE_INSIDE_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -468,9 +472,6 @@ class MLADecodeConfig(NamedTuple):
     # (v_rows 64). Opt-in: 1.02-1.07x the fp16 PV at batch 1-16 on an H100, but P's e4m3
     # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
-    # With pv_e4m3: P as two e4m3 terms (P and 16x its rounding error, PV's N doubled), about
-    # bf16's rounding of P instead of e4m3's.
-    p_residual: bool = False
     # With gluon (16 heads a program): the split merge inside stage 1 where the grid fits the
     # SMs (`mla_decode_gluon._merge_here`) instead of `merge_splits` after it.
     merge_inside: bool = True
@@ -661,13 +662,14 @@ def _launch(
     counters = None
     merge_inside = MERGE_INSIDE and gluon and cfg.merge_inside
     merge_inside = merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
-    if merge_inside and out is not None and num_kv_splits > 1 and prod(grid) <= num_sms():
+    fits = 1 < num_kv_splits <= MERGE_INSIDE_MAX_SPLITS and prod(grid) <= num_sms()
+    if merge_inside and out is not None and fits:
         counters = mla_decode_gluon.merge_counters(q.device)
     if gluon:
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3, out if counters is not None else None, counters, cfg.p_residual,
+            cfg.pv_e4m3, out if counters is not None else None, counters,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

@@ -112,14 +112,15 @@ TRANSPOSE_LAYOUT = gl.constexpr(
 
 
 @gluon.jit
-def _pdl_wait(USE_PDL: gl.constexpr):
+def _pdl_wait(USE_PDL: gl.constexpr, LAUNCH: gl.constexpr = True):
     """The PDL contract's wait (`engine.kernels.launch`): from here on the previous launch has
-    finished and its writes are visible; then the next launch may start. Each partition that
-    reads what the last launches wrote (q, the newest latent row) or writes global memory
-    calls it first."""
+    finished and its writes are visible; then (unless not LAUNCH) the next launch may start.
+    Each partition that reads what the last launches wrote (q, the newest latent row) or
+    writes global memory calls it first."""
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH:
+            gdc_launch_dependents()
 
 
 @gluon.jit
@@ -159,7 +160,8 @@ def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.cons
 
 @gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
-            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr,
+            EARLY_LAUNCH: gl.constexpr = True):  # fmt: skip
     """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
     have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
 
@@ -177,7 +179,7 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
     slot, mask = _slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
-    _pdl_wait(USE_PDL)
+    _pdl_wait(USE_PDL, EARLY_LAUNCH)
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
         n = start + i * BLOCK_N
@@ -301,20 +303,13 @@ def _issue_qk(lat, pe, q_s, q_pe_s, zero):
 
 
 @gluon.jit
-def _sum_terms(x, HEADS: gl.constexpr):
-    """x [rows, 2 x HEADS] with two terms' columns (h and HEADS + h) -> the first plus the
-    second / 16, [rows, HEADS]; a thread of an m64n32 accumulator holds both columns."""
-    main, res = gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, HEADS]), (0, 2, 1)))
-    return main + res * (1.0 / 16.0)
-
-
-@gluon.jit
 def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
     """Scores [tokens, heads] from the QK chain's [tokens, q rows]: with q's two terms stacked
     (rows h and HEADS + h) the first plus the second / 16; at 16 heads a thread holds both
     (registers j and j + 2 of the m64n32 accumulator), so the split moves no data."""
     if sq.shape[1] == 2 * HEADS:
-        qk = gl.convert_layout(_sum_terms(sq, HEADS), s_layout)
+        main, res = gl.split(gl.permute(gl.reshape(sq, [BLOCK_N, 2, HEADS]), (0, 2, 1)))
+        qk = gl.convert_layout(main + res * (1.0 / 16.0), s_layout)
     else:
         qk = sq
     return qk
@@ -326,19 +321,21 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-            MERGE_CHUNKS: gl.constexpr, MERGE_S_PAD: gl.constexpr, P_TERMS: gl.constexpr,
+            MERGE_CHUNKS: gl.constexpr, MERGE_S_PAD: gl.constexpr,
             USE_PDL: gl.constexpr):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
     e4m3 V^T ring (`_transposer`) as an e4m3 wgmma with P in e4m3 (times P_SCALE; the row sums
-    are of the rounded P, so that the normalization matches what PV summed); with P_TERMS 2,
-    P as two e4m3 terms (P and 16x its rounding error, stacked as the wgmma's N: O^T [C, 2 x
-    heads], the second half added / 16 at the end), about bf16's rounding instead of e4m3's."""
+    are of the rounded P, so that the normalization matches what PV summed)."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
-    _pdl_wait(USE_PDL)
-    HEADS: gl.constexpr = p_s.shape[0] // P_TERMS
+    # NOTE: with the merge inside, the next launch may start only once this program's tiles
+    # are done: launched from the start, the projection after it (`mla_decode._project`, which
+    # prefetches W_UV before its wait) made the engine's decode 1.2% slower at 16 requests
+    # (perf/RESULTS.md, run AS).
+    _pdl_wait(USE_PDL, MERGE_CHUNKS == 0)
+    HEADS: gl.constexpr = p_s.shape[0]
     # A 16-bit cache (`SIXTEEN`): q as it is, no scales, and V the ring's own latent.
     SIXTEEN: gl.constexpr = lat_ring.dtype != gl.float8e4nv
     if SIXTEEN:
@@ -360,11 +357,11 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, QK_K]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P_TERMS * HEADS, 32 if PV8 else 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32 if PV8 else 16]
     )
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
-    acc = gl.zeros([C, P_TERMS * HEADS], gl.float32, o_layout)
+    acc = gl.zeros([C, HEADS], gl.float32, o_layout)
     Q_ROWS: gl.constexpr = q_s.shape[0]
     sq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q_ROWS, QK_K]
@@ -409,21 +406,14 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         p = gl.exp2(qk - m_new[None, :])
         if PV8:
             p8 = (p * P_SCALE).to(gl.float8e4nv)
-            kept = p8.to(gl.float32)
-            if P_TERMS == 2:
-                r8 = ((p * P_SCALE - kept) * 16.0).to(gl.float8e4nv)
-                kept = kept + r8.to(gl.float32) * (1.0 / 16.0)
-                p_s.slice(HEADS, HEADS).store(gl.permute(_v_token_order(r8), (1, 0)))
-            l_i = l_i * alpha + gl.sum(kept, 0) * (1.0 / P_SCALE)
-            p_s.slice(0, HEADS).store(gl.permute(_v_token_order(p8), (1, 0)))
+            l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
+            p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
         else:
             l_i = l_i * alpha + gl.sum(p, 0)
             p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
         m_i = m_new
         fence_async_shared()
         _barrier()
-        if P_TERMS == 2:
-            alpha = gl.reshape(gl.permute(gl.join(alpha, alpha), (1, 0)), [2 * HEADS])
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if SIXTEEN:
             # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
@@ -451,26 +441,23 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
             mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
+    if USE_PDL and MERGE_CHUNKS > 0:
+        gdc_launch_dependents()
     offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
     if end > start:
         gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
         pv_scale: gl.constexpr = P_SCALE if PV8 else 1.0
-        if P_TERMS == 2:
-            o = _sum_terms(acc, HEADS)
-        else:
-            o = acc
-        out_layout: gl.constexpr = o.type.layout
-        inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, out_layout))
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, out_layout))
+        inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, o_layout))
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
         if PV8:
             offs_c = _v_rows_to_latent(offs_c)
-        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
+        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
             + split * stride_mos + offs_c[:, None]
         )  # fmt: skip
-        out = o * inv[None, :]
+        out = acc * inv[None, :]
         gl.store(o_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[None, :])
     else:
         empty = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
@@ -631,8 +618,8 @@ def mla_decode_fp8_ws_kernel(
     C: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr,
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
-    PV_E4M3: gl.constexpr = False, P_RESIDUAL: gl.constexpr = False,
-    MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
+    PV_E4M3: gl.constexpr = False, MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -668,8 +655,7 @@ def mla_decode_fp8_ws_kernel(
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
         # what lets the transposer's stores spread over all banks.
         e4m3_p: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
-        P_ROWS: gl.constexpr = 2 * HEADS if P_RESIDUAL else HEADS
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [P_ROWS, BLOCK_N], e4m3_p)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [HEADS, BLOCK_N], e4m3_p)
         v_ring = gl.allocate_shared_memory(gl.float8e4nv, [V_STAGES, C, 2 * BLOCK_N], e4m3_128)
     else:
         p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
@@ -700,14 +686,14 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, 2 if PV_E4M3 and P_RESIDUAL else 1, USE_PDL,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL,
                     ),
                 ),
                 (
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, MERGE_CHUNKS == 0,
                     ),
                 ),
             ],
@@ -725,7 +711,7 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, 2 if PV_E4M3 and P_RESIDUAL else 1, USE_PDL,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL,
                     ),
                 ),
                 (
@@ -736,7 +722,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, MERGE_CHUNKS == 0,
                     ),
                 ),
             ],
@@ -802,7 +788,6 @@ def launch_stage1(
     pv_e4m3: bool = False,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    p_residual: bool = False,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
@@ -810,7 +795,7 @@ def launch_stage1(
     `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
     e4m3 V (v_stages slots of a whole tile). With `out` [B, H, C] and `counters`
     (`merge_counters`) the splits are merged inside the kernel into `out` (`_merge_here`; the
-    caller makes sure the grid fits the SMs). `p_residual` (with pv_e4m3): P as two e4m3 terms."""
+    caller makes sure the grid fits the SMs)."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -842,6 +827,6 @@ def launch_stage1(
         num_heads, num_splits, out, counters, out.stride(0), out.stride(1), C=c, R=head_dim - c,
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
         STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
-        PV_E4M3=pv_e4m3, P_RESIDUAL=pv_e4m3 and p_residual, MERGE_CHUNKS=merge_chunks,
+        PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks,
         MERGE_S_PAD=max(merge_s_pad, 1), num_warps=4, pdl=True,
     )  # fmt: skip

@@ -380,6 +380,23 @@ def test_merge_project_wanted() -> None:
     assert not merge_project_wanted(1, 128, 8)
 
 
+def test_gluon_merge_shape() -> None:
+    """The programs that merge inside the Gluon kernel: a power of two, no more than the splits,
+    at least 8 columns each; the splits padded to a power of two."""
+    from engine.kernels.mla_decode_gluon import merge_shape
+
+    assert merge_shape(2, 512) == (2, 2)
+    assert merge_shape(3, 512) == (2, 4)
+    assert merge_shape(8, 512) == (8, 8)
+    assert merge_shape(33, 512) == (32, 64)
+    assert merge_shape(64, 512) == (64, 64)
+    assert merge_shape(64, 256) == (32, 64)  # 8 columns a program at the least
+    for splits in range(2, 65):
+        chunks, s_pad = merge_shape(splits, 512)
+        assert chunks & (chunks - 1) == 0 and chunks <= splits <= s_pad < 2 * splits
+        assert 512 // chunks >= 8
+
+
 def test_merge_column_chunks() -> None:
     """Fewer rows than SMs cut into column chunks (at least 64 columns) until about one
     program an SM."""
