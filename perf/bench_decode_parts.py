@@ -8,8 +8,9 @@ counts, beside FlashMLA in the same process, over bf16 and FP8 caches on the eng
 
 Run AQ left the FP8 kernel at 0.99x FlashMLA FP8 at batch 16 and 64, ctx 16K, where both
 programs per request fill 128 of 132 SMs; this shows what the merge and the split count cost
-there. us a call (CUDA-graph replays, `bench_kernels.time_graph`); "merge apart": the call with
-`merge_splits` after stage 1 instead of the merge inside it (`MLADecodeConfig.merge_inside`).
+there. us a call (CUDA-graph replays, `bench_kernels.time_graph`); "merge inside": the call with
+the split merge inside stage 1 (`MLADecodeConfig.merge_inside`) instead of `merge_splits`
+after it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
-    head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge apart us |"
+    head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge inside us |"
     head += " stage 1 us | merge us |"
 
     head += " other splits: us |"
@@ -99,8 +100,8 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
 
     fms = bench_kernels.flashmla_fns(p, q, scale)
     fm = fms.get("fm_fp8" if fp8 else "fm_bf16")
-    apart = functools.partial(call, config=cfg._replace(merge_inside=False))
-    cells = [kv_name, batch, ctx, t(fm) if fm else "-", splits, t(call), t(apart), t(stage1)]
+    inside = functools.partial(call, config=cfg._replace(merge_inside=True))
+    cells = [kv_name, batch, ctx, t(fm) if fm else "-", splits, t(call), t(inside), t(stage1)]
     if splits > 1:
         stage1()
         merge()

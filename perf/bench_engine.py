@@ -1144,8 +1144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in one kernel at any split count, the choice before run AR)",
     )  # fmt: skip
     ap.add_argument(
-        "--merge-apart", action="store_true",
-        help="mla_decode.MERGE_INSIDE off: the split merge as a kernel of its own after stage 1",
+        "--merge-inside", action="store_true",
+        help="mla_decode.GLUON_MERGE_INSIDE on: the split merge inside the 16-head Gluon kernel",
     )  # fmt: skip
     a = ap.parse_args(argv)
     if a.ns:
@@ -1238,8 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge_project_max_splits is not None:
         mla_decode.MERGE_PROJECT_MAX_SPLITS = args.merge_project_max_splits
-    if args.merge_apart:
-        mla_decode.MERGE_INSIDE = False
+    if args.merge_inside:
+        mla_decode.GLUON_MERGE_INSIDE = True
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]

@@ -59,13 +59,15 @@ _LOG2E = 1.4426950408889634
 MERGE_PROJECT_MAX_ROWS = 4
 MERGE_PROJECT_MAX_HEADS = 16
 MERGE_PROJECT_MAX_SPLITS = 48
-# The split merge inside the 16-head Gluon kernel where `MLADecodeConfig.merge_inside` asks for
-# it, the grid fits the SMs and there are at most MERGE_INSIDE_MAX_SPLITS splits
-# (`perf/bench_engine.py --merge-apart` turns it off for a run). On an H100 (perf/RESULTS.md,
-# run AS) it took 0.7-2.5 us off the call at 8 splits (batch 16) and cost 0.8-1.1 us at 64
-# (batch 1, where 64 programs wait on one counter).
-MERGE_INSIDE = True
+# The split merge inside the 16-head Gluon kernel (`MLADecodeConfig.merge_inside`) serves calls
+# of at most this many splits whose grid fits the SMs: on an H100 (perf/RESULTS.md, run AS) it
+# took 0.2-1.9 us off the call at 2-16 splits and cost 0.8-1.1 us at 64 (batch 1, 64 programs
+# on one counter).
 MERGE_INSIDE_MAX_SPLITS = 16
+# Whether the engine's pick (`gluon_config`) merges inside. Off: the kernel alone is faster, but
+# the engine's decode was 1.0-1.2% slower with it at 16 requests, ctx 4K (run AS; not yet
+# understood). `perf/bench_engine.py --merge-inside` turns it on for a run.
+GLUON_MERGE_INSIDE = False
 
 
 @triton.jit
@@ -473,8 +475,9 @@ class MLADecodeConfig(NamedTuple):
     # rounding moved the engine's logits 3.6-3.8% of their scale (run AN, perf/RESULTS.md).
     pv_e4m3: bool = False
     # With gluon (16 heads a program): the split merge inside stage 1 where the grid fits the
-    # SMs (`mla_decode_gluon._merge_here`) instead of `merge_splits` after it.
-    merge_inside: bool = True
+    # SMs and the splits are few (`mla_decode_gluon._merge_here`, MERGE_INSIDE_MAX_SPLITS)
+    # instead of `merge_splits` after it.
+    merge_inside: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -549,8 +552,9 @@ def gluon_config(
         if not mla_decode_gluon_wide.serves_shape(num_heads, kv_lora_rank, rope_dim):
             # The 16-head kernel over the 16-bit ring itself (no converter), 2 tiles.
             return default_config(num_heads, False)._replace(
-                block_h=16, block_n=64, num_stages=2, waves=1.0, gluon=1, v_rows=64
-            )
+                block_h=16, block_n=64, num_stages=2, waves=1.0, gluon=1, v_rows=64,
+                merge_inside=GLUON_MERGE_INSIDE,
+            )  # fmt: skip
         # NOTE: the default split count at block_h 64 and one wave was the best of the tuned
         # counts at 128 heads, ctx 4K, batch 1-128 (run AM).
         return default_config(num_heads, False)._replace(waves=1.0, gluon=1, gluon_heads=64)
@@ -564,7 +568,7 @@ def gluon_config(
             num_stages=3, waves=1.0, q_residual=False, gluon=1, gluon_heads=64
         )
     cfg = default_config(num_heads, True)._replace(
-        num_stages=2, waves=1.0, q_residual=True, gluon=2
+        num_stages=2, waves=1.0, q_residual=True, gluon=2, merge_inside=GLUON_MERGE_INSIDE
     )
     if batch * max_seq_len >= GLUON_DEEP_RING_TOKENS:
         # NOTE: a 32-token V slot is released after half of PV, so that the converter
@@ -660,7 +664,7 @@ def _launch(
     # The merge inside the Gluon kernel: its programs wait for each other, so the whole grid
     # must be resident at once (one program an SM).
     counters = None
-    merge_inside = MERGE_INSIDE and gluon and cfg.merge_inside
+    merge_inside = gluon and cfg.merge_inside
     merge_inside = merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
     fits = 1 < num_kv_splits <= MERGE_INSIDE_MAX_SPLITS and prod(grid) <= num_sms()
     if merge_inside and out is not None and fits:

@@ -49,11 +49,13 @@ QK issued ahead, as the FP8 form does, both slots would be held while one tile i
 and no gather would be in flight: 1.04-1.20x slower on an H100, run AO). On an H100 (run AO):
 1.00-2.21x FlashMLA bf16 over batch 1-128, ctx 1K-16K.
 
-Where the whole grid fits the SMs at once (one program an SM), the 16-head form merges the
-splits itself (`_merge_here`, `MLADecodeConfig.merge_inside`): each program counts itself in on
-a per-(request, head group) counter once its split is stored, and the first programs of the
-request then wait for the rest and each merge a slice of the columns, so that no merge kernel
-follows. (Waiting on other programs is safe only because all of them are resident.)
+Asked to (`MLADecodeConfig.merge_inside`), where the whole grid fits the SMs at once (one
+program an SM) and the splits are few, the 16-head form merges the splits itself
+(`_merge_here`): each program counts itself in on a per-(request, head group) counter once its
+split is stored, and the first programs of the request then wait for the rest and each merge a
+slice of the columns, so that no merge kernel follows (waiting on other programs is safe only
+because all of them are resident). On an H100 the call is 0.2-1.9 us faster with it at 2-16
+splits, but the engine's decode was 1.0-1.2% slower (perf/RESULTS.md, run AS): opt-in.
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
@@ -112,15 +114,14 @@ TRANSPOSE_LAYOUT = gl.constexpr(
 
 
 @gluon.jit
-def _pdl_wait(USE_PDL: gl.constexpr, LAUNCH: gl.constexpr = True):
+def _pdl_wait(USE_PDL: gl.constexpr):
     """The PDL contract's wait (`engine.kernels.launch`): from here on the previous launch has
-    finished and its writes are visible; then (unless not LAUNCH) the next launch may start.
-    Each partition that reads what the last launches wrote (q, the newest latent row) or
-    writes global memory calls it first."""
+    finished and its writes are visible; then the next launch may start. Each partition that
+    reads what the last launches wrote (q, the newest latent row) or writes global memory
+    calls it first."""
     if USE_PDL:
         gdc_wait()
-        if LAUNCH:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -160,8 +161,7 @@ def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.cons
 
 @gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
-            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr,
-            EARLY_LAUNCH: gl.constexpr = True):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
     """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
     have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
 
@@ -179,7 +179,7 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
     slot, mask = _slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
-    _pdl_wait(USE_PDL, EARLY_LAUNCH)
+    _pdl_wait(USE_PDL)
     for i in range(_n_tiles(start, end)):
         s = i % STAGES
         n = start + i * BLOCK_N
@@ -330,11 +330,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     are of the rounded P, so that the normalization matches what PV summed)."""
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
-    # NOTE: with the merge inside, the next launch may start only once this program's tiles
-    # are done: launched from the start, the projection after it (`mla_decode._project`, which
-    # prefetches W_UV before its wait) made the engine's decode 1.2% slower at 16 requests
-    # (perf/RESULTS.md, run AS).
-    _pdl_wait(USE_PDL, MERGE_CHUNKS == 0)
+    _pdl_wait(USE_PDL)
     HEADS: gl.constexpr = p_s.shape[0]
     # A 16-bit cache (`SIXTEEN`): q as it is, no scales, and V the ring's own latent.
     SIXTEEN: gl.constexpr = lat_ring.dtype != gl.float8e4nv
@@ -441,8 +437,6 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
             mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
-    if USE_PDL and MERGE_CHUNKS > 0:
-        gdc_launch_dependents()
     offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
     if end > start:
@@ -693,7 +687,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, MERGE_CHUNKS == 0,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
                     ),
                 ),
             ],
@@ -722,7 +716,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, MERGE_CHUNKS == 0,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
                     ),
                 ),
             ],

@@ -245,10 +245,9 @@ def test_gluon_merge_inside(
     merges: list[int] = []
     real_merge = md.merge_splits
     monkeypatch.setattr(md, "merge_splits", lambda *a: merges.append(1) or real_merge(*a))
-    apart = mla_decode(
-        *args, k_scale=k, num_kv_splits=splits, config=cfg._replace(merge_inside=False)
-    )
-    assert len(merges) == 1
+    apart = mla_decode(*args, k_scale=k, num_kv_splits=splits, config=cfg)
+    assert len(merges) == 1 and not cfg.merge_inside  # (not the engine's pick: run AS)
+    cfg = cfg._replace(merge_inside=True)
     inside = mla_decode(*args, k_scale=k, num_kv_splits=splits, config=cfg)
     programs = len(seq_lens) * -(-heads // 16) * splits
     sms = torch.cuda.get_device_properties(0).multi_processor_count
