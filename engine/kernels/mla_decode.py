@@ -428,6 +428,14 @@ def merge_project_wanted(batch: int, num_heads: int, num_kv_splits: int) -> bool
     )
 
 
+def merge_inside_fits(num_kv_splits: int, programs: int, sms: int | None = None) -> bool:
+    """Whether stage 1 may merge its splits itself (`mla_decode_gluon._merge_here`): 2 to
+    MERGE_INSIDE_MAX_SPLITS splits, and a grid no larger than the SMs, so that every program is
+    resident while they wait for each other."""
+    sms = sms if sms is not None else num_sms()
+    return 1 < num_kv_splits <= MERGE_INSIDE_MAX_SPLITS and programs <= sms
+
+
 class MLADecodeConfig(NamedTuple):
     block_h: int
     block_n: int
@@ -666,8 +674,7 @@ def _launch(
     counters = None
     merge_inside = gluon and cfg.merge_inside
     merge_inside = merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
-    fits = 1 < num_kv_splits <= MERGE_INSIDE_MAX_SPLITS and prod(grid) <= num_sms()
-    if merge_inside and out is not None and fits:
+    if merge_inside and out is not None and merge_inside_fits(num_kv_splits, prod(grid)):
         counters = mla_decode_gluon.merge_counters(q.device)
     if gluon:
         mla_decode_gluon.launch_stage1(

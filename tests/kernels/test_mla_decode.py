@@ -380,6 +380,18 @@ def test_merge_project_wanted() -> None:
     assert not merge_project_wanted(1, 128, 8)
 
 
+def test_merge_inside_fits() -> None:
+    """Stage 1 merges its own splits only with 2-16 of them and a grid within the SMs."""
+    from engine.kernels.mla_decode import MERGE_INSIDE_MAX_SPLITS, merge_inside_fits
+
+    assert merge_inside_fits(8, 128, sms=132)  # batch 16, 8 splits
+    assert merge_inside_fits(2, 132, sms=132)
+    assert not merge_inside_fits(1, 64, sms=132)  # nothing to merge
+    assert not merge_inside_fits(3, 150, sms=132)  # not all resident at once: they could hang
+    assert not merge_inside_fits(MERGE_INSIDE_MAX_SPLITS + 1, 17, sms=132)
+    assert not merge_inside_fits(64, 64, sms=132)  # batch 1 at 64 splits: slower inside
+
+
 def test_gluon_merge_shape() -> None:
     """The programs that merge inside the Gluon kernel: a power of two, no more than the splits,
     at least 8 columns each; the splits padded to a power of two."""
