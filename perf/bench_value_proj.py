@@ -5,7 +5,7 @@ requests and MERGE_PROJECT_MAX_SPLITS splits: `merge_project_wanted`) against th
 FP8 caches, through the Gluon kernels as the engine picks them.
 
     PYTHONPATH=. python3 perf/bench_value_proj.py [--batches 1 4] [--contexts 1024 4096 16384]
-        [--max-seq-len 32768] [--breakdown]
+        [--max-seq-len 32768] [--breakdown] [--merge-inside]
 
 Prints us a call for each path and for the engine's pick (CUDA-graph replays,
 `bench_kernels.time_graph`) and the largest difference between the two outputs.
@@ -14,7 +14,11 @@ the engine's longest context has it. `--breakdown` adds each path without PDL, t
 without the projection (stage 1 and `merge_splits`), the projection alone, and the two-kernel
 path with its projection launched without PDL, without its L2 prefetch, or by torch.bmm: run
 AQ found the two-kernel path slow at few splits (17.1 us at batch 1 ctx 1K against 7.8 for the
-attention alone), which these separate (run AR).
+attention alone), which these separate (run AR). `--merge-inside` adds the split merge inside
+stage 1 (`MLADecodeConfig.merge_inside`) followed by the projection, as the engine would run it
+at 5 or more requests, with the projection as the engine launches it, without PDL, and without
+its prefetch: run AS found the engine 1% slower with the merge inside at 16 requests while the
+attention alone was faster.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--breakdown", action="store_true", help="PDL off, and each part alone")
     ap.add_argument(
+        "--merge-inside", action="store_true", help="also the merge inside stage 1, then W_UV"
+    )
+    ap.add_argument(
         "--max-seq-len", type=int, default=0,
         help="the split count's context, as a CUDA graph captured for the engine's longest "
         "context has it (default: each point's own context)",
@@ -63,6 +70,9 @@ def main() -> None:
         head += " one kernel, no PDL | two, no PDL | stage 1 + merge | projection alone |"
         head += " two, projection without PDL | two, projection without its prefetch |"
         head += " two, projection by torch.bmm |"
+    if args.merge_inside:
+        head += " merge inside, then projection | the same, projection without PDL |"
+        head += " the same, projection without its prefetch |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,6 +106,8 @@ def main() -> None:
                 line += f"{pick * 1e6:.1f} |"
                 if args.breakdown:
                     line += breakdown(call, args, batch)
+                if args.merge_inside:
+                    line += inside(call, args, batch)
                 print(line, flush=True)
 
 
@@ -133,11 +145,25 @@ def breakdown(call: functools.partial[torch.Tensor], args: argparse.Namespace, b
     return "".join(f" {t * 1e6:.1f} |" for t in cells)
 
 
+def inside(call: functools.partial[torch.Tensor], args: argparse.Namespace, batch: int) -> str:
+    """Stage 1 with the merge inside it (where it serves), then the projection: as the engine
+    launches it, without PDL, without its prefetch; us as table cells."""
+    cfg = call.keywords["config"]._replace(merge_inside=True)
+    attend = functools.partial(call, value_proj=None, config=cfg)
+    w, cells = call.keywords["value_proj"], []
+    with merge_project(False, batch):
+        for variant in ("PDL", "no PDL", "no prefetch"):
+            two = functools.partial(two_kernels, attend, w, variant)
+            cells.append(bench_kernels.time_graph(two, args.calls, args.reps))
+    return "".join(f" {t * 1e6:.1f} |" for t in cells)
+
+
 def two_kernels(
     attend: functools.partial[torch.Tensor], w: torch.Tensor, variant: str
 ) -> torch.Tensor:
-    """Stage 1 and the merge with PDL, then the projection: launched without PDL, with PDL but
-    without the weight's L2 prefetch before its wait, or by torch.bmm."""
+    """Stage 1 and the merge with PDL, then the projection: launched with PDL as the engine
+    does ("PDL"), without PDL, with PDL but without the weight's L2 prefetch before its wait,
+    or by torch.bmm."""
     out = attend()
     if variant == "bmm":
         return torch.bmm(out.transpose(0, 1), w).transpose(0, 1)
@@ -145,7 +171,7 @@ def two_kernels(
     try:
         if variant == "no PDL":
             kernel_launch.set_pdl(False)
-        else:
+        elif variant == "no prefetch":
             small_gemm.contiguous_span = lambda t: 0
         return md._project(out, w)
     finally:
