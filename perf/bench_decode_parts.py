@@ -54,9 +54,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
     head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge inside us |"
-    head += " stage 1 us | merge us |"
-
-    head += " other splits: us |"
+    head += " stage 1 us | merge us | other splits: us |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
     for batch, ctx in args.points:

@@ -672,9 +672,8 @@ def _launch(
     # The merge inside the Gluon kernel: its programs wait for each other, so the whole grid
     # must be resident at once (one program an SM).
     counters = None
-    merge_inside = gluon and cfg.merge_inside
-    merge_inside = merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
-    if merge_inside and out is not None and merge_inside_fits(num_kv_splits, prod(grid)):
+    wanted = gluon and cfg.merge_inside and cfg.gluon_heads == mla_decode_gluon.BLOCK_H.value
+    if wanted and out is not None and merge_inside_fits(num_kv_splits, prod(grid)):
         counters = mla_decode_gluon.merge_counters(q.device)
     if gluon:
         mla_decode_gluon.launch_stage1(

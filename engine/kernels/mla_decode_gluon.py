@@ -806,7 +806,7 @@ def launch_stage1(
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     num_splits = mid_lse.shape[2]
     grid = (triton.cdiv(num_heads, heads), num_splits, batch)
-    merge_chunks = merge_s_pad = 0
+    merge_chunks, merge_s_pad = 0, 1  # (no merge inside)
     if out is not None:
         assert counters is not None and num_splits > 1, "an in-kernel merge needs counters, splits"
         assert counters.numel() >= grid[0] * batch and counters.dtype == torch.int32
@@ -821,6 +821,6 @@ def launch_stage1(
         num_heads, num_splits, out, counters, out.stride(0), out.stride(1), C=c, R=head_dim - c,
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
         STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
-        PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks,
-        MERGE_S_PAD=max(merge_s_pad, 1), num_warps=4, pdl=True,
+        PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks, MERGE_S_PAD=merge_s_pad, num_warps=4,
+        pdl=True,
     )  # fmt: skip
