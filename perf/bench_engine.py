@@ -761,7 +761,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kvs = [k for k in dict.fromkeys(args.kv.split(",")) if k in KV_DTYPES]  # in the order given
     profile_ns = [int(x) for x in args.profile_ns.split(",") if x]
     per_engine = {
-        kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == "bf16" else 0) for kv in kvs
+        kv: 1 + len(args.ns_list) + (len(profile_ns) if kv == args.profile_kv else 0) for kv in kvs
     }
     compile_layers = [] if args.skip_compile else [x for x in args.compile_layers.split(",") if x]
     tasks = int(not args.skip_eager) + len(compile_layers) + int(args.overlap_compare)
@@ -837,7 +837,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if r:
                     result["runs"].append(dict(kv=kv, **r))
                     say(row(result["runs"][-1]))
-            if kv == "bf16":
+            if kv == args.profile_kv:
                 for n in profile_ns:
                     p = task(f"profile b={n}", partial(bench.profile, llm, n))
                     if p:
@@ -1089,7 +1089,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")
     ap.add_argument("--b1-tokens", type=int, default=None, help="batch-1 run length (64)")
-    ap.add_argument("--profile-ns", default="1,16", help="batch sizes to profile (bf16 KV)")
+    ap.add_argument("--profile-ns", default="1,16", help="batch sizes to profile")
+    ap.add_argument("--profile-kv", default="bf16", help="the KV dtype whose engine is profiled")
     ap.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument(
         "--profile-eager", action="store_true", help="also profile the eager engine's batch 1"

@@ -123,8 +123,9 @@ def test_tiny_cpu_run_isolated(tmp_path: Path) -> None:
     bench = _load("bench_engine")
     out = tmp_path / "result.json"
     argv = ["--tiny", "--layers", "2", "--device", "cpu", "--ns", "1", "--kv", "bf16,fp8"]
-    argv += ["--max-tokens", "4", "--b1-tokens", "4", "--profile-ns", ""]
-    argv += ["--out", str(tmp_path / "ckpt"), "--json", str(out), "--isolate"]
+    argv += ["--max-tokens", "4", "--b1-tokens", "4", "--profile-ns", "1", "--profile-kv", "fp8"]
+    argv += ["--profile-steps", "2", "--out", str(tmp_path / "ckpt"), "--json", str(out)]
+    argv += ["--isolate"]
     argv += ["--compile-ns", "1", "--compile-backend", "aot_eager"]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
@@ -139,6 +140,9 @@ def test_tiny_cpu_run_isolated(tmp_path: Path) -> None:
     assert set(compiled["vs_graphs"]) == {"batch1", "n1_decode"}
     assert all(v > 0 for v in compiled["vs_graphs"].values())
     assert (tmp_path / "result.bf16.json").is_file() and (tmp_path / "result.fp8.json").is_file()
+    # --profile-kv: the FP8 engine's steps are profiled, the bf16 one's not.
+    assert "fp8_b1" in res["profile"] and "bf16_b1" not in res["profile"]
+    assert res["profile"]["fp8_b1"]["steps"] == 2 and res["profile"]["fp8_b1"]["all_decode"]
 
 
 def test_order_report_averages_each_dtype_over_its_processes() -> None:
