@@ -52,18 +52,17 @@ if [[ " $STEPS " == *" tune_p1 "* ]]; then
     step tune_p1 420 python3 perf/bench_kernels.py --tune --heads 16 128 \
         --kinds ours_bf16_p1 ours_fp8_p1 ours_bf16 ours_fp8 --out "$OUT/tune_p1"
 fi
-# 128 heads (next GPU session: the engine's FP8 pick of 64 heads a program, `gluon_config`, has
-# not run in the engine yet): the Gluon kernels' tests and the engine's 128-head logits against
-# the Triton kernel (bf16 and FP8), then the kernel table at 128 heads (ctx 1K-16K, both
-# caches) beside FlashMLA. `heads128` times the engine's decode at 128 heads per kernel and
+# 128 heads: the Gluon kernels' tests and the engine's 128-head logits against the Triton
+# kernel (bf16 and FP8), then the kernel table at 128 heads (ctx 1K-16K, both caches) beside
+# FlashMLA (runs AM, AN, AT). `heads128` times the engine's decode at 128 heads per kernel and
 # cache (perf/bench_mla_heads.py). Only when named (`bash perf/device_check.sh gluon128`).
 if [[ " $STEPS " == *" gluon128 "* ]]; then
     step gluon128 540 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_mla_decode_gluon.py tests/test_gluon_decode_option.py; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 128 --out '$OUT/gluon128'"
 fi
-# 16 heads (next GPU session): the FP8 Gluon kernel's e4m3-PV form (`pv_e4m3`, written without
-# a GPU) against its tests, then the Gluon tune at 16 heads (its forms beside the fp16-PV ones,
+# 16 heads: the FP8 Gluon kernel's e4m3-PV form (`pv_e4m3`, opt-in since run AN) against its
+# tests, then the Gluon tune at 16 heads (its forms beside the fp16-PV ones,
 # FlashMLA in the same process), and the kernel table with PDL off and on (the Gluon kernels
 # launch with PDL since run AM). Only when named (`bash perf/device_check.sh gluon16`).
 if [[ " $STEPS " == *" gluon16 "* ]]; then

@@ -65,8 +65,10 @@ MERGE_PROJECT_MAX_SPLITS = 48
 # on one counter).
 MERGE_INSIDE_MAX_SPLITS = 16
 # Whether the engine's pick (`gluon_config`) merges inside. Off: the kernel alone is faster, but
-# the engine's decode was 1.0-1.2% slower with it at 16 requests, ctx 4K (run AS; not yet
-# understood). `perf/bench_engine.py --merge-inside` turns it on for a run.
+# the value projection after it then starts while stage 1 runs (PDL), prefetching W_UV among
+# stage 1's loads, and the pair was 2.4-4.9 us slower than stage 1, merge and projection on an
+# H200 (without PDL -1.2 to +1.6 us); the engine's decode 1.0-1.7% slower at 16 requests, ctx
+# 4K (runs AS, AT). `perf/bench_engine.py --merge-inside` turns it on for a run.
 GLUON_MERGE_INSIDE = False
 
 
