@@ -1090,7 +1090,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 64)")
     ap.add_argument("--b1-tokens", type=int, default=None, help="batch-1 run length (64)")
     ap.add_argument("--profile-ns", default="1,16", help="batch sizes to profile")
-    ap.add_argument("--profile-kv", default="bf16", help="the KV dtype whose engine is profiled")
+    ap.add_argument(
+        "--profile-kv", default="bf16", choices=sorted(KV_DTYPES),
+        help="the KV dtype (of --kv) whose engine is profiled",
+    )  # fmt: skip
     ap.add_argument("--profile-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument(
         "--profile-eager", action="store_true", help="also profile the eager engine's batch 1"
