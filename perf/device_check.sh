@@ -12,8 +12,8 @@
 #   command: bash perf/device_check.sh            (every step)
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
-#                                                  bench_engine; tune_p1, gluon16, gluon128
-#                                                  and heads128 only when named)
+#                                                  bench_engine; tune_p1, gluon16, gluon128,
+#                                                  heads128 and issue16 only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -73,6 +73,20 @@ if [[ " $STEPS " == *" gluon16 "* ]]; then
         ENGINE_PDL=0 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
         --out '$OUT/gluon16_nopdl'; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --out '$OUT/gluon16_pdl'"
+fi
+# Issue 16's Done-when in one call (about 8 minutes on an H200, run AT): the kernel grid at 16
+# and 128 heads beside FlashMLA, the engine over FP8 against bf16 KV at 64 and 256 requests
+# (processes in the order fp8, bf16, bf16, fp8), and the 16-head FP8 Gluon forms at batch 16
+# ctx 16K (the point left below FlashMLA FP8). Only when named (`bash perf/device_check.sh
+# issue16`).
+if [[ " $STEPS " == *" issue16 "* ]]; then
+    step issue16 590 bash -c "python3 perf/bench_kernels.py --no-moe --no-fp8-bmm \
+        --heads 16 128 --out '$OUT/issue16'; \
+        python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba --ns 64,256 \
+        --skip-compile --skip-eager --profile-ns '' --time-budget 300 \
+        --json '$OUT/issue16_engine.json'; \
+        python3 perf/bench_kernels.py --tune --gluon-only --heads 16 --kinds ours_fp8_p1 \
+        --batches 16 --contexts 16384 --out '$OUT/issue16_tune'"
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
