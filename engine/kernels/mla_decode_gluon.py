@@ -55,7 +55,8 @@ program an SM) and the splits are few, the 16-head form merges the splits itself
 split is stored, and the first programs of the request then wait for the rest and each merge a
 slice of the columns, so that no merge kernel follows (waiting on other programs is safe only
 because all of them are resident). On an H100 the call is 0.2-1.9 us faster with it at 2-16
-splits, but the engine's decode was 1.0-1.2% slower (perf/RESULTS.md, run AS): opt-in.
+splits, but the engine's decode was 1.0-1.7% slower (perf/RESULTS.md, runs AS and AT: the
+value projection after it then starts, with PDL, while this kernel still runs): opt-in.
 
 Like the Triton kernels it is launched with programmatic dependent launch where the GPU has it
 (`engine.kernels.launch`): its programs start while the previous kernel finishes, the loader
