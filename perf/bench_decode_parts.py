@@ -48,13 +48,18 @@ def main() -> None:
         help="batch x ctx",
     )  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also these split counts")
+    ap.add_argument(
+        "--fp8-forms", nargs="*", default=[],
+        help="also FP8 calls of these forms: regsN (V from registers, N e4m3 tiles), with a "
+        "'q1' suffix q as one e4m3 term (q1 alone: the engine's form with one term)",
+    )  # fmt: skip
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"GPU: {torch.cuda.get_device_name()}, {sms} SMs")
     head = "| kv | batch | ctx | FlashMLA us | splits | call us | call, merge inside us |"
-    head += " stage 1 us | merge us | other splits: us |"
+    head += " stage 1 us | merge us | other splits: us | FP8 forms: us |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
     for batch, ctx in args.points:
@@ -89,7 +94,7 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
     stage1 = functools.partial(
         mla_decode_gluon.launch_stage1, q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens,
         mid_o, mid_lse, scale * md._LOG2E, k_scale, 1, cfg.num_stages, cfg.gluon, cfg.v_rows,
-        cfg.q_residual, cfg.gluon_heads, cfg.pv_e4m3,
+        cfg.q_residual, cfg.gluon_heads, cfg.pv_e4m3, pv_regs=cfg.pv_regs,
     )  # fmt: skip
     merge = functools.partial(merge_splits, mid_o, mid_lse, out)
 
@@ -110,7 +115,24 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
         cells.append("-")
     others = [s for s in args.splits if s != splits]
     cells.append(", ".join(f"{s}: {t(functools.partial(call, num_kv_splits=s))}" for s in others))
+    forms = []
+    for form in args.fp8_forms if fp8 else []:
+        alt = form_config(cfg, form)
+        err = (call(config=alt).float() - call().float()).abs().max().item()
+        forms.append(f"{form}: {t(functools.partial(call, config=alt))} (err {err:.1e})")
+    cells.append(", ".join(forms) or "-")
     return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
+def form_config(cfg: md.MLADecodeConfig, form: str) -> md.MLADecodeConfig:
+    """`--fp8-forms`' names: regsN (`pv_regs`, N e4m3 tiles) and a q1 suffix (one q term)."""
+    if form.endswith("q1"):
+        cfg, form = cfg._replace(q_residual=False), form[:-2]
+    if form.startswith("regs"):
+        cfg = cfg._replace(pv_regs=True, num_stages=int(form[4:]), gluon=1, v_rows=64)
+    elif form:
+        raise SystemExit(f"unknown form {form!r}")
+    return cfg
 
 
 if __name__ == "__main__":

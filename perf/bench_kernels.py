@@ -315,6 +315,12 @@ GLUON = [
     # terms or one.
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, q_residual=True, gluon=2, pv_e4m3=True),
     MLADecodeConfig(16, 64, 4, 2, 1.0, 128, gluon=2, pv_e4m3=True),
+    # PV with V^T from the attention group's registers (no converter, no V ring): 3-5 e4m3
+    # tiles, q as two terms or one.
+    MLADecodeConfig(16, 64, 4, 3, 1.0, 128, q_residual=True, gluon=1, pv_regs=True),
+    MLADecodeConfig(16, 64, 4, 4, 1.0, 128, q_residual=True, gluon=1, pv_regs=True),
+    MLADecodeConfig(16, 64, 4, 5, 1.0, 128, q_residual=True, gluon=1, pv_regs=True),
+    MLADecodeConfig(16, 64, 4, 4, 1.0, 128, gluon=1, pv_regs=True),
 ]
 # The Gluon kernel at 128 heads: 16 heads a program (what the engine takes), and 32 (each tile
 # read by half as many programs; V in 32-token slots so that it fits).
@@ -396,7 +402,7 @@ TUNE = {
 
 def _cfg_key(cfg: MLADecodeConfig) -> tuple[int | None, ...]:
     flags = (cfg.halves, cfg.fp8_dots, cfg.q_residual, cfg.q_pairs, cfg.gluon, cfg.v_rows)
-    flags += (cfg.gluon_heads, cfg.pv_e4m3)
+    flags += (cfg.gluon_heads, cfg.pv_e4m3, cfg.pv_regs)
     return (*(int(v) for v in cfg[:5]), cfg.slots_ahead, *(int(f) for f in flags))
 
 

@@ -45,6 +45,7 @@ PATTERNS = {
     "stmatrix": r"stmatrix\.sync\.aligned\.\w+",
     "shared stores": r"st\.shared\.[\w.]+",
     "shared loads": r"ld\.shared\.[\w.]+",
+    "shared 16B loads": r"ld\.shared\.v4\.b32",
     "bar.sync": r"bar\.sync",
     "pdl wait": r"griddepcontrol\.wait",
     "pdl launch": r"griddepcontrol\.launch_dependents",
@@ -75,6 +76,7 @@ def compile_kernel(
     bf16: bool = False,
     merge_chunks: int = 0,
     merge_s_pad: int = 1,
+    pv_regs: bool = False,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
     an e4m3 pool or (`bf16`) a bf16 one; `merge_chunks` > 0: with the split merge inside."""
@@ -90,7 +92,7 @@ def compile_kernel(
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
         "MERGE_CHUNKS": merge_chunks, "MERGE_S_PAD": merge_s_pad,
-        "USE_PDL": pdl,
+        "USE_PDL": pdl, "PV_REGS": pv_regs,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
@@ -134,12 +136,22 @@ def _transposer_conflicts() -> None:
     gl.static_print("  transposer store conflicts:", gl.bank_conflicts(both.type, dst.type))
 
 
-def transposer_conflicts() -> None:
-    """Compile `_transposer_conflicts` (its prints are the report: traced anew each time, not
-    taken from Triton's cache)."""
+@gluon.jit
+def _v_regs_conflicts() -> None:
+    """Prints the shared-memory bank conflicts of the register-V loads (`pv_regs`:
+    `_v_regs_layout`, 16 tokens of a 128-byte-swizzled e4m3 tile of a 512 latent)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    src = gl.allocate_shared_memory(gl.float8e4nv, [16, 512], layout)
+    x = src.load(mla_decode_gluon._v_regs_layout(512))
+    gl.static_print("  register-V load conflicts:", gl.bank_conflicts(x.type, src.type))
+
+
+def transposer_conflicts(fn: Any = None) -> None:
+    """Compile `_transposer_conflicts` (or `fn`; its prints are the report: traced anew each
+    time, not taken from Triton's cache)."""
     from triton import knobs
 
-    src = GluonASTSource(fn=_transposer_conflicts, signature={}, constexprs={}, attrs={})
+    src = GluonASTSource(fn=fn or _transposer_conflicts, signature={}, constexprs={}, attrs={})
     with knobs.compilation.scope():
         knobs.compilation.always_compile = True
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -188,6 +200,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="the 16-head kernel over a bf16 pool")
     ap.add_argument("--no-pdl", action="store_true", help="as launched without PDL")
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
+    ap.add_argument("--pv-regs", action="store_true", help="PV with V^T from registers")
     ap.add_argument(
         "--merge-splits", type=int, default=0, help="with the split merge inside, of this many"
     )
@@ -201,7 +214,7 @@ def main() -> None:
             chunks, s_pad = mla_decode_gluon.merge_shape(args.merge_splits, 512)
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
-            pdl, args.pv_e4m3, args.bf16, chunks, s_pad,
+            pdl, args.pv_e4m3, args.bf16, chunks, s_pad, args.pv_regs,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
@@ -216,6 +229,8 @@ def main() -> None:
     print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes", flush=True)
     if args.pv_e4m3:
         transposer_conflicts()
+    if args.pv_regs:
+        transposer_conflicts(_v_regs_conflicts)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,21 @@ def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
     assert "transposer store conflicts: 0" in report, report
 
 
+def test_gluon_pv_regs_compiles_for_hopper() -> None:
+    """`pv_regs`: V^T read from the e4m3 ring into the attention group's registers. No converter
+    warps (256 threads: the attention group and the loader, padded to warp groups), PV still
+    8 M-blocks x 4 k-steps of fp16 m64n16k16 wgmmas (now with A from registers), each thread's
+    V bytes read as 16-byte loads (4 tokens a k-step: at least 16 a tile) free of bank
+    conflicts, and 5 e4m3 tiles, q and P fit. Spills: none with Triton 3.6 (the GPU's), 128
+    bytes with 3.9."""
+    counts, report = _census(["--pv-regs", "--stages", "5"], pdl_partitions=2, spill_limit=160)
+    assert "threads 256" in report, report
+    assert counts["wgmma e4m3"] == 36 and counts["wgmma f16"] == 32, report
+    assert "m64n16k16" in report and counts["shared 16B loads"] >= 16, report
+    assert counts["cvt e4m3x2"] >= 128, report
+    assert "register-V load conflicts: 0" in report, report
+
+
 @pytest.mark.parametrize("splits", [2, 8, 33, 64])
 def test_gluon_merge_inside_compiles_for_hopper(splits: int) -> None:
     """The split merge inside the kernel: one thread publishes its split with a release

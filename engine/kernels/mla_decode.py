@@ -488,6 +488,11 @@ class MLADecodeConfig(NamedTuple):
     # SMs and the splits are few (`mla_decode_gluon._merge_here`, MERGE_INSIDE_MAX_SPLITS)
     # instead of `merge_splits` after it.
     merge_inside: bool = False
+    # With gluon (the FP8 kernel, 16 heads a program): PV with V^T read from the e4m3 ring into
+    # the attention warp group's registers, turned to fp16 there and fed to the wgmma as its A
+    # operand (`mla_decode_gluon._pv_regs_step`): no converter warps and no fp16 V ring, so
+    # num_stages e4m3 tiles (2-5) fill the shared memory; `gluon` and v_rows unused.
+    pv_regs: bool = False
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -681,7 +686,7 @@ def _launch(
         mla_decode_gluon.launch_stage1(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
-            cfg.pv_e4m3, out if counters is not None else None, counters,
+            cfg.pv_e4m3, out if counters is not None else None, counters, cfg.pv_regs,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

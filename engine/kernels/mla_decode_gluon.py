@@ -114,6 +114,57 @@ TRANSPOSE_LAYOUT = gl.constexpr(
 )
 
 
+V_STEP = gl.constexpr(16)  # tokens a register-V PV step takes: K of the fp16 wgmma
+
+
+@triton.constexpr_function
+def _v_own_bits(c: int) -> int:
+    """Latent columns a thread holds (as bits) in the register-V operand (`_v_regs_layout`):
+    rows of the [C, 16] A fragment per thread, 2 in each of the C / 64 M-blocks."""
+    return c.bit_length() - 1 - 5
+
+
+@triton.constexpr_function
+def _v_regs_layout(c: int) -> gl.DistributedLinearLayout:
+    """The layout in which the attention group loads V_STEP tokens [16, C] of a tile's e4m3
+    latent for PV with V^T from registers (`_v_operand`): a thread takes 2^own contiguous
+    latent columns (one 16-byte load at C = 512) of 4 tokens (t = 2 x lane bits 0-1 + 1 bit +
+    8 x 1 bit), lanes' bits 2-4 and the warps the next column bits: after `_v_operand`'s
+    relabelling these are the registers of the fp16 wgmma's A fragment [C, 16], row r holding
+    latent column `_v_rows_to_latent_regs(r)`. A quarter warp reads 4 even rows x 2 16-byte
+    chunks of a 128-byte swizzle atom: no bank conflicts (`gl.bank_conflicts`)."""
+    own = _v_own_bits(c)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << j] for j in range(own)] + [[1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1 << own], [0, 2 << own], [0, 4 << own]],
+        warp_bases=[[0, 8 << own], [0, 16 << own]],
+        block_bases=[],
+        shape=[16, c],
+    )
+
+
+@gluon.jit
+def _v_operand(x):
+    """x [16 tokens, C] (`_v_regs_layout`, converted) as the A operand V^T [C, 16] of PV, a
+    relabelling of the registers: latent column c = (warps, lanes, rest, first) from its
+    highest bits goes to row (rest, warps, first, lanes) (`_v_rows_to_latent_regs`)."""
+    C: gl.constexpr = x.shape[1]
+    y = gl.reshape(x, [x.shape[0], 4, 8, C // 64, 2])
+    y = gl.permute(y, (3, 1, 4, 2, 0))
+    return gl.reshape(y, [C, x.shape[0]])
+
+
+@gluon.jit
+def _v_rows_to_latent_regs(r, C: gl.constexpr):
+    """The latent column that row r of the register-V operand holds (`_v_operand`)."""
+    OWN: gl.constexpr = _v_own_bits(C)
+    lanes = (r & 7) << OWN
+    first = (r >> 3) & 1
+    warps = ((r >> 4) & 3) << (OWN + 3)
+    rest = (r >> 6) << 1
+    return lanes | first | warps | rest
+
+
 @gluon.jit
 def _pdl_wait(USE_PDL: gl.constexpr):
     """The PDL contract's wait (`engine.kernels.launch`): from here on the previous launch has
@@ -317,13 +368,26 @@ def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
 
 
 @gluon.jit
+def _pv_regs_step(v_tile, k, p_s, acc, o_layout: gl.constexpr):
+    """PV over tokens [k x V_STEP, (k + 1) x V_STEP) of the e4m3 slot v_tile [BLOCK_N, C],
+    V^T from registers (`_v_regs_layout`, `_v_operand`), issued (not waited for); returns the
+    accumulator's token and the A operand, which must stay alive until the wgmma is done."""
+    C: gl.constexpr = v_tile.shape[1]
+    x = v_tile.slice(k * V_STEP, V_STEP).load(_v_regs_layout(C))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    a = gl.convert_layout(_v_operand(x.to(gl.float16)), a_layout)
+    p_k = p_s.slice(k * V_STEP, V_STEP, dim=1).permute((1, 0))
+    return warpgroup_mma(a, p_k, acc, is_async=True), a
+
+
+@gluon.jit
 def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring, pe_ring,
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
             MERGE_CHUNKS: gl.constexpr, MERGE_S_PAD: gl.constexpr,
-            USE_PDL: gl.constexpr):  # fmt: skip
+            USE_PDL: gl.constexpr, PV_REGS: gl.constexpr = False):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
@@ -346,8 +410,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
-    PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv
-    V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN else v_ring.shape[1]
+    PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv and not PV_REGS
+    V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN or PV_REGS else v_ring.shape[1]
     CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     QK_K: gl.constexpr = 16 if SIXTEEN else 32  # K of the QK wgmma instruction
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -383,7 +447,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         )
     for i in range(n_tiles):
         if QK_AHEAD:
-            mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
+            if not PV_REGS:
+                mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
             s1 = (i + 1) % STAGES
             mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
             fence_async_shared()
@@ -419,6 +484,18 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(i % STAGES))
+        elif PV_REGS:
+            # V^T from registers: each V_STEP tokens of the slot's e4m3 latent loaded, turned
+            # to fp16 and relabelled as the wgmma's A fragment; the slot goes back to the
+            # loader once every warp has read it, before the wgmmas finish.
+            v_tile = lat_ring.index(i % STAGES)
+            acc, a0 = _pv_regs_step(v_tile, 0, p_s, acc, o_layout)
+            acc, a1 = _pv_regs_step(v_tile, 1, p_s, acc, o_layout)
+            acc, a2 = _pv_regs_step(v_tile, 2, p_s, acc, o_layout)
+            acc, a3 = _pv_regs_step(v_tile, 3, p_s, acc, o_layout)
+            _barrier()
+            mbarrier.arrive(kv_empty.index(i % STAGES))
+            sq, acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(next_sq, acc, a0, a1, a2, a3))
         else:
             # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
             # the ones before it are done, so that the converter can refill it during the rest.
@@ -447,6 +524,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
         if PV8:
             offs_c = _v_rows_to_latent(offs_c)
+        if PV_REGS:
+            offs_c = _v_rows_to_latent_regs(offs_c, C)
         offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
@@ -614,7 +693,7 @@ def mla_decode_fp8_ws_kernel(
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     PV_E4M3: gl.constexpr = False, MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1,
-    USE_PDL: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, PV_REGS: gl.constexpr = False,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -646,6 +725,10 @@ def mla_decode_fp8_ws_kernel(
     if SIXTEEN:
         p_s = gl.allocate_shared_memory(kv_t, [HEADS, BLOCK_N], f16_128)
         v_ring = lat_ring
+    elif PV_REGS:
+        # V is read from the e4m3 ring into registers by the attention group: no V ring.
+        p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
+        v_ring = lat_ring
     elif PV_E4M3:
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
         # what lets the transposer's stores spread over all banks.
@@ -663,14 +746,16 @@ def mla_decode_fp8_ws_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(s), count=32 * LOADER_WARPS)  # every loader lane's copies
-        # The converter and the attention's QK, or (16 bits) the attention's PV alone.
-        mbarrier.init(kv_empty.index(s), count=1 if SIXTEEN else 2)
+        # The converter and the attention's QK, or (16 bits, V from registers) the attention's
+        # PV alone.
+        mbarrier.init(kv_empty.index(s), count=1 if SIXTEEN or PV_REGS else 2)
     for t in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(t), count=1)
         mbarrier.init(v_empty.index(t), count=1)
 
-    # NOTE: a 16-bit pool has no converter partition, so each form lists its partitions.
-    if SIXTEEN:
+    # NOTE: a 16-bit pool, or V read into registers, has no converter partition, so each form
+    # lists its partitions.
+    if SIXTEEN or PV_REGS:
         gl.warp_specialize(
             [
                 (
@@ -681,7 +766,7 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS,
                     ),
                 ),
                 (
@@ -706,7 +791,7 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS,
                     ),
                 ),
                 (
@@ -783,6 +868,7 @@ def launch_stage1(
     pv_e4m3: bool = False,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    pv_regs: bool = False,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
@@ -790,7 +876,8 @@ def launch_stage1(
     `mla_decode._mla_decode_stage1` does. `pv_e4m3`: PV as an e4m3 wgmma over a transposed
     e4m3 V (v_stages slots of a whole tile). With `out` [B, H, C] and `counters`
     (`merge_counters`) the splits are merged inside the kernel into `out` (`_merge_here`; the
-    caller makes sure the grid fits the SMs)."""
+    caller makes sure the grid fits the SMs). `pv_regs` (e4m3, 16 heads): PV with V^T read into
+    the attention group's registers, no converter and no V ring (v_stages, v_rows unused)."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -803,8 +890,16 @@ def launch_stage1(
             f"a 16-bit cache takes 16 heads a program and 2-{most} ring slots here"
         )
         k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
+        pv_regs = False
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
+    if pv_regs:
+        # NOTE: the ring's slots, q and P; 5 slots of a 512 latent take 200 KB.
+        most = 5 if c == 512 else 8
+        assert heads == BLOCK_H.value and not pv_e4m3 and 2 <= stages <= most, (
+            f"V from registers takes 16 heads a program, fp16 PV and 2-{most} ring slots"
+        )
+        v_stages, v_rows = 1, BLOCK_N.value
     num_splits = mid_lse.shape[2]
     grid = (triton.cdiv(num_heads, heads), num_splits, batch)
     merge_chunks, merge_s_pad = 0, 1  # (no merge inside)
@@ -823,5 +918,5 @@ def launch_stage1(
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
         STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
         PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks, MERGE_S_PAD=merge_s_pad, num_warps=4,
-        pdl=True,
+        PV_REGS=pv_regs, pdl=True,
     )  # fmt: skip

@@ -42,13 +42,15 @@ def _gluon(
     )
 
 
-def _pool(seq_lens: list[int], heads: int, seed: int, fp8: bool = True) -> tuple[torch.Tensor, ...]:
+def _pool(
+    seq_lens: list[int], heads: int, seed: int, fp8: bool = True, c: int = C
+) -> tuple[torch.Tensor, ...]:
     """An e4m3 pool (bf16 with `fp8=False`) with each request's tokens at random slots (slot 0,
     the padding sink, holds large values: reading it would show), req_to_token rows in random
     order, bf16 q."""
     g = torch.Generator().manual_seed(seed)
     total = sum(seq_lens)
-    kv = torch.randn(total + 9, 1, C + R, generator=g)
+    kv = torch.randn(total + 9, 1, c + R, generator=g)
     kv[0] = 8.0
     kv8 = quantize_fp8(kv, torch.tensor([K_SCALE])) if fp8 else kv.to(torch.bfloat16)
     max_reqs = len(seq_lens) + 2
@@ -59,7 +61,7 @@ def _pool(seq_lens: list[int], heads: int, seed: int, fp8: bool = True) -> tuple
     for b, n in enumerate(seq_lens):
         req_to_token[rows[b], :n] = slots[off : off + n].int()
         off += n
-    q = torch.randn(len(seq_lens), heads, C + R, generator=g).to(torch.bfloat16)
+    q = torch.randn(len(seq_lens), heads, c + R, generator=g).to(torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     k_scale = torch.tensor([K_SCALE])
     return tuple(t.cuda() for t in (q, kv8, req_to_token, rows.long(), lens, k_scale))
@@ -173,6 +175,34 @@ def test_gluon_e4m3_pv_matches_reference(
         assert _rel_err(out, base) < 1e-2
 
 
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits,stages,c",
+    [
+        ([1], 16, None, 2, C),  # one token: one tile, 63 rows masked
+        ([37, 64, 65], 16, 1, 3, C),  # one split (stage 1 writes the output); a tile edge
+        ([5, 1000, 17, 300], 16, None, 4, C),
+        ([3, 200], 20, 8, 5, C),  # a mostly masked second head group; empty splits
+        ([4100], 16, 2, 5, C),  # the ring wraps many times
+        ([700, 90], 16, 2, 4, 256),  # a latent of 256: 8 columns a thread
+    ],
+)
+def test_gluon_pv_regs(
+    seq_lens: list[int], heads: int, splits: int | None, stages: int, c: int
+) -> None:
+    """PV with V^T from registers (`pv_regs`): the torch reference's answer, and the same
+    products as the converter form (fp16 V, the same tokens a k-step in the same order), so
+    the same output; only where each latent column's row of the A fragment lies differs."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=stages, c=c)
+    args = (q, kv8, req_to_token, rows, lens, c, (c + R) ** -0.5)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    base = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=_gluon())
+    cfg = _gluon(stages, 1)._replace(pv_regs=True)
+    out = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
+    assert out.shape == (len(seq_lens), heads, c) and torch.isfinite(out.float()).all()
+    assert _rel_err(out, ref) < 2e-2
+    assert torch.equal(out, base)
+
+
 def test_gluon_matches_triton_kernel() -> None:
     """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
@@ -182,10 +212,10 @@ def test_gluon_matches_triton_kernel() -> None:
     assert _rel_err(out, triton_out) < 1e-2
 
 
-@pytest.mark.parametrize("pv_e4m3", [False, True])
-def test_gluon_paged(pv_e4m3: bool) -> None:
+@pytest.mark.parametrize("pv_e4m3,pv_regs", [(False, False), (True, False), (False, True)])
+def test_gluon_paged(pv_e4m3: bool, pv_regs: bool) -> None:
     """FlashMLA's paged layout (page 64, a block table), with a request ending mid-page; PV in
-    fp16 or (`pv_e4m3`) in e4m3."""
+    fp16 (V from the fp16 ring or, `pv_regs`, from registers) or (`pv_e4m3`) in e4m3."""
     g = torch.Generator().manual_seed(3)
     page, seq_lens, heads = 64, [1, 64, 130, 1000], 16
     max_pages = (max(seq_lens) + page - 1) // page
@@ -200,7 +230,7 @@ def test_gluon_paged(pv_e4m3: bool) -> None:
         t.cuda() for t in (q, cache, block_table, lens, k_scale)
     )
     ref = mla_decode_paged_ref(q, cache, block_table, lens, C, 0.05, k_scale=k_scale)
-    cfg = _gluon()._replace(pv_e4m3=pv_e4m3)
+    cfg = _gluon(4 if pv_regs else 2)._replace(pv_e4m3=pv_e4m3, pv_regs=pv_regs)
     out = mla_decode_paged(
         q, cache, block_table, lens, C, 0.05, k_scale=k_scale, num_kv_splits=3, config=cfg
     )
