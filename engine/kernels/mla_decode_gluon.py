@@ -131,7 +131,7 @@ def _v_regs_layout(c: int) -> gl.DistributedLinearLayout:
     latent columns (one 16-byte load at C = 512) of 4 tokens (t = 2 x lane bits 0-1 + 1 bit +
     8 x 1 bit), lanes' bits 2-4 and the warps the next column bits: after `_v_operand`'s
     relabelling these are the registers of the fp16 wgmma's A fragment [C, 16], row r holding
-    latent column `_v_rows_to_latent_regs(r)`. A quarter warp reads 4 even rows x 2 16-byte
+    latent column `_latent_order` undoes. A quarter warp reads 4 even rows x 2 16-byte
     chunks of a 128-byte swizzle atom: no bank conflicts (`gl.bank_conflicts`)."""
     own = _v_own_bits(c)
     return gl.DistributedLinearLayout(
@@ -143,11 +143,26 @@ def _v_regs_layout(c: int) -> gl.DistributedLinearLayout:
     )
 
 
+@triton.constexpr_function
+def _v_out_layout(c: int) -> gl.DistributedLinearLayout:
+    """The register-V accumulator [C, 16 heads] in the latent's order (`_latent_order`) with
+    each thread's 2^own contiguous columns as its first registers, so that they are stored as
+    16-byte vectors: a register permutation of what `_latent_order` gives."""
+    own = _v_own_bits(c)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1 << j, 0] for j in range(own)] + [[0, 1], [0, 8]],
+        lane_bases=[[0, 2], [0, 4], [1 << own, 0], [2 << own, 0], [4 << own, 0]],
+        warp_bases=[[8 << own, 0], [16 << own, 0]],
+        block_bases=[],
+        shape=[c, 16],
+    )
+
+
 @gluon.jit
 def _v_operand(x):
     """x [16 tokens, C] (`_v_regs_layout`, converted) as the A operand V^T [C, 16] of PV, a
     relabelling of the registers: latent column c = (warps, lanes, rest, first) from its
-    highest bits goes to row (rest, warps, first, lanes) (`_v_rows_to_latent_regs`)."""
+    highest bits goes to row (rest, warps, first, lanes) (`_latent_order` undoes it)."""
     C: gl.constexpr = x.shape[1]
     y = gl.reshape(x, [x.shape[0], 4, 8, C // 64, 2])
     y = gl.permute(y, (3, 1, 4, 2, 0))
@@ -155,14 +170,13 @@ def _v_operand(x):
 
 
 @gluon.jit
-def _v_rows_to_latent_regs(r, C: gl.constexpr):
-    """The latent column that row r of the register-V operand holds (`_v_operand`)."""
-    OWN: gl.constexpr = _v_own_bits(C)
-    lanes = (r & 7) << OWN
-    first = (r >> 3) & 1
-    warps = ((r >> 4) & 3) << (OWN + 3)
-    rest = (r >> 6) << 1
-    return lanes | first | warps | rest
+def _latent_order(acc):
+    """acc [C, N] with its rows in `_v_operand`'s order (rest, warps, first, lanes) back in
+    the latent's (warps, lanes, rest, first): a relabelling of the registers."""
+    C: gl.constexpr = acc.shape[0]
+    y = gl.reshape(acc, [C // 64, 4, 2, 8, acc.shape[1]])
+    y = gl.permute(y, (1, 3, 0, 2, 4))
+    return gl.reshape(y, [C, acc.shape[1]])
 
 
 @gluon.jit
@@ -381,6 +395,66 @@ def _pv_regs_step(v_tile, k, p_s, acc, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _online_softmax(sq, n, end, scale, m_i, l_i, s_layout: gl.constexpr, HEADS: gl.constexpr):
+    """The online softmax of the tile at token n (scores `sq` from the QK chain; tokens from
+    `end` on masked): returns P [tokens, heads], the new running max and sum, and the factor
+    that rescales what was accumulated before."""
+    qk = _combine_terms(sq, s_layout, HEADS)
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    qk = gl.where((n + offs_t < end)[:, None], qk * scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk - m_new[None, :])
+    return p, m_new, l_i * alpha + gl.sum(p, 0), alpha
+
+
+@gluon.jit
+def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start, end, scale,
+                  zero, acc, m_i, l_i, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """The attention group's tiles with V^T from registers (`pv_regs`): per tile, QK of the
+    next tile is issued, then this tile's PV (`_pv_regs_step`, P from the softmax before),
+    and while PV runs on the tensor cores the next tile's softmax fills the other P buffer.
+    All of a tile's wgmmas are waited for inside its iteration (a wgmma left in flight across
+    the loop's back edge made ptxas serialize every wgmma). The last iteration's QK runs on a
+    stale slot (its wait skipped) and its softmax, every token masked, changes nothing; a
+    ring slot goes back to the loader once every warp has read its V."""
+    HEADS: gl.constexpr = p_s.shape[1]
+    STAGES: gl.constexpr = lat_ring.shape[0]
+    n_tiles = _n_tiles(start, end)
+    mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
+    fence_async_shared()
+    sq = warpgroup_mma_wait(
+        0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
+    )
+    p, m_i, l_i, alpha = _online_softmax(sq, start, end, scale, m_i, l_i, s_layout, HEADS)
+    p_s.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
+    fence_async_shared()
+    _barrier()
+    for i in range(n_tiles):
+        s1 = (i + 1) % STAGES
+        mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+        fence_async_shared()
+        next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+        v_tile = lat_ring.index(i % STAGES)
+        p_i = p_s.index(i % 2)
+        acc, a0 = _pv_regs_step(v_tile, 0, p_i, acc, o_layout)
+        acc, a1 = _pv_regs_step(v_tile, 1, p_i, acc, o_layout)
+        acc, a2 = _pv_regs_step(v_tile, 2, p_i, acc, o_layout)
+        acc, a3 = _pv_regs_step(v_tile, 3, p_i, acc, o_layout)
+        # QK (two groups, issued first) is done; PV's four may still run.
+        sq = warpgroup_mma_wait(4, deps=(next_sq,))
+        n = start + (i + 1) * BLOCK_N
+        p, m_i, l_i, alpha = _online_softmax(sq, n, end, scale, m_i, l_i, s_layout, HEADS)
+        p_s.index((i + 1) % 2).store(gl.permute(p.to(gl.float16), (1, 0)))
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(kv_empty.index(i % STAGES))
+        acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring, pe_ring,
             v_ring, kv_ready, kv_empty, v_ready, v_empty, mid_o_ptr, mid_lse_ptr, b, split, hg,
             start, end, num_heads,
@@ -396,7 +470,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     # NOTE: q is read and quantized here, not before the partitions start, so that the
     # loader's first gathers are in flight while q loads.
     _pdl_wait(USE_PDL)
-    HEADS: gl.constexpr = p_s.shape[0]
+    HEADS: gl.constexpr = p_s.shape[-2]
     # A 16-bit cache (`SIXTEEN`): q as it is, no scales, and V the ring's own latent.
     SIXTEEN: gl.constexpr = lat_ring.dtype != gl.float8e4nv
     if SIXTEEN:
@@ -438,82 +512,76 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     # computed: each tile's QK follows its own wait instead, the next tile loading meanwhile
     # (1.04-1.20x, run AO). The ring is written by cp.async (the generic proxy) and read by the
     # wgmma (the async proxy): a proxy fence after each wait.
-    QK_AHEAD: gl.constexpr = not SIXTEEN
-    if QK_AHEAD:
-        mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
-        fence_async_shared()
-        sq = warpgroup_mma_wait(
-            0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
-        )
-    for i in range(n_tiles):
+    if PV_REGS:
+        acc, m_i, l_i = _pv_regs_loop(
+            lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start, end, scale, zero,
+            acc, m_i, l_i, s_layout, o_layout,
+        )  # fmt: skip
+    else:
+        QK_AHEAD: gl.constexpr = not SIXTEEN
         if QK_AHEAD:
-            if not PV_REGS:
-                mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
-            s1 = (i + 1) % STAGES
-            mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
-            fence_async_shared()
-            next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
-        else:
-            s0 = i % STAGES
-            mbarrier.wait(kv_ready.index(s0), (i // STAGES) & 1)
+            mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
             fence_async_shared()
             sq = warpgroup_mma_wait(
-                0, deps=(_issue_qk(lat_ring.index(s0), pe_ring.index(s0), q_s, q_pe_s, zero),)
+                0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
             )
-        qk = _combine_terms(sq, s_layout, HEADS)
-        valid = start + i * BLOCK_N + offs_t < end
-        qk = gl.where(valid[:, None], qk * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(qk - m_new[None, :])
-        if PV8:
-            p8 = (p * P_SCALE).to(gl.float8e4nv)
-            l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
-            p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
-        else:
-            l_i = l_i * alpha + gl.sum(p, 0)
-            p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
-        m_i = m_new
-        fence_async_shared()
-        _barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        if SIXTEEN:
-            # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
-            # the loader once PV is done.
-            v_t = lat_ring.index(i % STAGES).permute((1, 0))
-            acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(i % STAGES))
-        elif PV_REGS:
-            # V^T from registers: each V_STEP tokens of the slot's e4m3 latent loaded, turned
-            # to fp16 and relabelled as the wgmma's A fragment; the slot goes back to the
-            # loader once every warp has read it, before the wgmmas finish.
-            v_tile = lat_ring.index(i % STAGES)
-            acc, a0 = _pv_regs_step(v_tile, 0, p_s, acc, o_layout)
-            acc, a1 = _pv_regs_step(v_tile, 1, p_s, acc, o_layout)
-            acc, a2 = _pv_regs_step(v_tile, 2, p_s, acc, o_layout)
-            acc, a3 = _pv_regs_step(v_tile, 3, p_s, acc, o_layout)
+        for i in range(n_tiles):
+            if QK_AHEAD:
+                mbarrier.arrive(kv_empty.index(i % STAGES))  # V is the converter's copy
+                s1 = (i + 1) % STAGES
+                mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+                fence_async_shared()
+                next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
+            else:
+                s0 = i % STAGES
+                mbarrier.wait(kv_ready.index(s0), (i // STAGES) & 1)
+                fence_async_shared()
+                sq = warpgroup_mma_wait(
+                    0, deps=(_issue_qk(lat_ring.index(s0), pe_ring.index(s0), q_s, q_pe_s, zero),)
+                )
+            qk = _combine_terms(sq, s_layout, HEADS)
+            valid = start + i * BLOCK_N + offs_t < end
+            qk = gl.where(valid[:, None], qk * scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, 0))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(qk - m_new[None, :])
+            if PV8:
+                p8 = (p * P_SCALE).to(gl.float8e4nv)
+                l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
+                p_s.store(gl.permute(_v_token_order(p8), (1, 0)))
+            else:
+                l_i = l_i * alpha + gl.sum(p, 0)
+                p_s.store(gl.permute(p.to(p_s.dtype), (1, 0)))
+            m_i = m_new
+            fence_async_shared()
             _barrier()
-            mbarrier.arrive(kv_empty.index(i % STAGES))
-            sq, acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(next_sq, acc, a0, a1, a2, a3))
-        else:
-            # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its wgmma and
-            # the ones before it are done, so that the converter can refill it during the rest.
-            for j in gl.static_range(CHUNKS):
-                g = i * CHUNKS + j
-                mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
-                p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
-                if PV8:
-                    v_j = v_ring.index(g % V_STAGES).slice(0, BLOCK_N, dim=1)  # V^T [C, tokens]
-                else:
-                    v_j = v_ring.index(g % V_STAGES).permute((1, 0))
-                acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
-                if j > 0:
-                    # (QK's group, issued first, is done too; its result is taken below.)
-                    warpgroup_mma_wait(1, deps=(next_sq,))
-                    mbarrier.arrive(v_empty.index((g - 1) % V_STAGES))
-            sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
-            mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+            if SIXTEEN:
+                # V^T [C, tokens] is the ring slot's latent read MN-major; the slot goes back to
+                # the loader once PV is done.
+                v_t = lat_ring.index(i % STAGES).permute((1, 0))
+                acc = warpgroup_mma(v_t, p_s.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(i % STAGES))
+            else:
+                # PV a V slot at a time (tokens j * V_ROWS on), each slot released once its
+                # wgmma and the ones before it are done, so that the converter can refill it
+                # during the rest.
+                for j in gl.static_range(CHUNKS):
+                    g = i * CHUNKS + j
+                    mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
+                    p_j = p_s.slice(j * V_ROWS, V_ROWS, dim=1)
+                    if PV8:
+                        v_j = v_ring.index(g % V_STAGES).slice(0, BLOCK_N, dim=1)  # V^T [C, tokens]
+                    else:
+                        v_j = v_ring.index(g % V_STAGES).permute((1, 0))
+                    acc = warpgroup_mma(v_j, p_j.permute((1, 0)), acc, is_async=True)
+                    if j > 0:
+                        # (QK's group, issued first, is done too; its result is taken below.)
+                        warpgroup_mma_wait(1, deps=(next_sq,))
+                        mbarrier.arrive(v_empty.index((g - 1) % V_STAGES))
+                sq, acc = warpgroup_mma_wait(0, deps=(next_sq, acc))
+                mbarrier.arrive(v_empty.index((i * CHUNKS + CHUNKS - 1) % V_STAGES))
 
     offs_h = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, s_layout))
     lse_ptrs = mid_lse_ptr + b.to(gl.int64) * stride_mlb + offs_h * stride_mlh + split
@@ -521,17 +589,21 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
         gl.store(lse_ptrs, m_i + gl.log2(l_i), mask=offs_h < num_heads)
         pv_scale: gl.constexpr = P_SCALE if PV8 else 1.0
         inv = gl.convert_layout(out_scale / (l_i * pv_scale), gl.SliceLayout(0, o_layout))
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, o_layout))
+        out = acc * inv[None, :]
+        if PV_REGS:
+            # Back to the latent's order: each thread then holds 2^own contiguous columns of
+            # each of its heads (vector stores; scattered 4-byte ones cost about 4 us a
+            # program on an H100).
+            out = gl.convert_layout(_latent_order(out), _v_out_layout(C))
+        out_layout: gl.constexpr = out.type.layout
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, out_layout))
         if PV8:
             offs_c = _v_rows_to_latent(offs_c)
-        if PV_REGS:
-            offs_c = _v_rows_to_latent_regs(offs_c, C)
-        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
+        offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
         o_ptrs = (
             mid_o_ptr + b.to(gl.int64) * stride_mob + offs_ho[None, :] * stride_moh
             + split * stride_mos + offs_c[:, None]
         )  # fmt: skip
-        out = acc * inv[None, :]
         gl.store(o_ptrs, out.to(mid_o_ptr.dtype.element_ty), mask=(offs_ho < num_heads)[None, :])
     else:
         empty = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
@@ -726,8 +798,9 @@ def mla_decode_fp8_ws_kernel(
         p_s = gl.allocate_shared_memory(kv_t, [HEADS, BLOCK_N], f16_128)
         v_ring = lat_ring
     elif PV_REGS:
-        # V is read from the e4m3 ring into registers by the attention group: no V ring.
-        p_s = gl.allocate_shared_memory(gl.float16, [HEADS, BLOCK_N], f16_128)
+        # V is read from the e4m3 ring into registers by the attention group: no V ring; P
+        # double-buffered (a tile's PV runs on during the next softmax).
+        p_s = gl.allocate_shared_memory(gl.float16, [2, HEADS, BLOCK_N], f16_128)
         v_ring = lat_ring
     elif PV_E4M3:
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
