@@ -1148,6 +1148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in one kernel at any split count, the choice before run AR)",
     )  # fmt: skip
     ap.add_argument(
+        "--pv-regs", action="store_true",
+        help="mla_decode.GLUON_PV_REGS on: the FP8 Gluon kernel reads V into registers",
+    )  # fmt: skip
+    ap.add_argument(
         "--merge-inside", action="store_true",
         help="mla_decode.GLUON_MERGE_INSIDE on: the split merge inside the 16-head Gluon kernel",
     )  # fmt: skip
@@ -1244,6 +1248,8 @@ def main(argv: list[str] | None = None) -> int:
         mla_decode.MERGE_PROJECT_MAX_SPLITS = args.merge_project_max_splits
     if args.merge_inside:
         mla_decode.GLUON_MERGE_INSIDE = True
+    if args.pv_regs:
+        mla_decode.GLUON_PV_REGS = True
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine.kernels import mla_decode as md  # noqa: E402
 from engine.kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
     default_config,
@@ -759,7 +760,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")
     ap.add_argument("--reps", type=int, default=10, help="graph replays timed")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--pv-regs", action="store_true",
+        help="mla_decode.GLUON_PV_REGS on: the engine's FP8 pick reads V into registers",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.pv_regs:
+        md.GLUON_PV_REGS = True
     if args.fp8_bmm_only:
         args.no_mla = args.no_moe = True
     assert torch.cuda.is_available(), "needs a GPU"
