@@ -1149,7 +1149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--pv-regs", action="store_true",
-        help="mla_decode.GLUON_PV_REGS on: the FP8 Gluon kernel reads V into registers",
+        help="mla_decode.GLUON_PV_REGS_TOKENS 0: the FP8 Gluon kernel reads V into registers "
+        "at any size",
     )  # fmt: skip
     ap.add_argument(
         "--merge-inside", action="store_true",
@@ -1249,7 +1250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge_inside:
         mla_decode.GLUON_MERGE_INSIDE = True
     if args.pv_regs:
-        mla_decode.GLUON_PV_REGS = True
+        mla_decode.GLUON_PV_REGS_TOKENS = 0
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]

@@ -762,11 +762,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument(
         "--pv-regs", action="store_true",
-        help="mla_decode.GLUON_PV_REGS on: the engine's FP8 pick reads V into registers",
+        help="mla_decode.GLUON_PV_REGS_TOKENS 0: the engine's FP8 pick reads V into registers "
+        "at any size",
     )  # fmt: skip
     args = ap.parse_args()
     if args.pv_regs:
-        md.GLUON_PV_REGS = True
+        md.GLUON_PV_REGS_TOKENS = 0
     if args.fp8_bmm_only:
         args.no_mla = args.no_moe = True
     assert torch.cuda.is_available(), "needs a GPU"

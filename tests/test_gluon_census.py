@@ -26,7 +26,8 @@ def _flags(cfg: MLADecodeConfig) -> list[str]:
     rings = ["--stages", str(cfg.num_stages), "--v-stages", str(cfg.gluon)]
     heads = ["--heads", str(cfg.gluon_heads)] if cfg.gluon_heads != 16 else []
     terms = [] if cfg.q_residual else ["--one-term"]
-    return [*rings, "--v-rows", str(cfg.v_rows), *heads, *terms]
+    regs = ["--pv-regs"] if cfg.pv_regs else []
+    return [*rings, "--v-rows", str(cfg.v_rows), *heads, *terms, *regs]
 
 
 def _census(flags: list[str], pdl_partitions: int, spill_limit: int) -> tuple[dict[str, int], str]:
@@ -65,11 +66,13 @@ def _census(flags: list[str], pdl_partitions: int, spill_limit: int) -> tuple[di
     ],
 )
 def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
-    # Spills (Triton 3.9): 16 bytes for the 16-head forms at page size 1; 48-120 paged (the
-    # loader's page arithmetic at 80 registers); 200 for 32 heads a program (its [512, 32]
-    # accumulator is 128 registers a thread). A change that spills more shows here. PDL: the
-    # loader and the attention partition wait (the converter touches no global memory).
+    # Spills (Triton 3.9): 16 bytes for the 16-head forms at page size 1 (64 with V read into
+    # registers, none with Triton 3.6); 48-120 paged (the loader's page arithmetic at 80
+    # registers); 200 for 32 heads a program (its [512, 32] accumulator is 128 registers a
+    # thread). A change that spills more shows here. PDL: the loader and the attention
+    # partition wait (the converter touches no global memory).
     limit = 256 if "--heads" in flags else 128 if "--page" in flags else 32
+    limit = 80 if "--pv-regs" in flags else limit
     counts, report = _census(flags, pdl_partitions=2, spill_limit=limit)
     # QK over 576: chains of 18 k-steps of 32 (q's two terms stacked as N = 32; the first
     # tile's chain issued before the loop), PV: 8 M-blocks x 4 k-steps of 16 tokens, however
@@ -134,6 +137,20 @@ def test_gluon_bf16_compiles_for_hopper() -> None:
     assert counts["wgmma bf16"] == 36 + 32 and "m64n16k16" in report, report
     assert counts["wgmma e4m3"] == 0 and counts["wgmma f16"] == 0, report
     assert counts["cvt e4m3x2"] == 0, report
+
+
+def test_engine_reads_v_into_registers_for_large_fp8_calls() -> None:
+    """At 16 heads the engine's FP8 pick reads V into registers (4 e4m3 tiles) from
+    GLUON_PV_REGS_TOKENS of work (batch x context) on, and keeps the converter below it; the
+    32-head form (a latent the wide kernel does not serve) never does."""
+    from engine.kernels.mla_decode import GLUON_PV_REGS_TOKENS
+
+    large = gluon_config(16, 64, GLUON_PV_REGS_TOKENS // 64)
+    assert large.pv_regs and large.num_stages == 4 and large.gluon_heads == 16
+    small = gluon_config(16, 16, GLUON_PV_REGS_TOKENS // 16 - 1)
+    assert not small.pv_regs and small.gluon >= 2
+    assert not gluon_config(128, 16, 16384, kv_lora_rank=256).pv_regs
+    assert not gluon_config(16, 128, 16384, fp8=False).pv_regs
 
 
 def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:

@@ -542,10 +542,12 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
 # takes 3 e4m3 tiles and V in 3 slots of 32 tokens (perf/RESULTS.md, run AK; from 128K to 64K
 # tokens in run AP, where batch 16 ctx 4K ran 23.2 us deep against 24.8 with 2 tiles).
 GLUON_DEEP_RING_TOKENS = 64 * 1024
-# Whether the engine's pick (`gluon_config`) for FP8 at 16 heads a program reads V into the
-# attention group's registers (`MLADecodeConfig.pv_regs`, 4 e4m3 tiles) instead of the
-# converter's fp16 copy.
-GLUON_PV_REGS = False
+# With this many tokens of work a call (batch x the longest context) or more, the engine's FP8
+# pick at 16 heads a program reads V into the attention group's registers
+# (`MLADecodeConfig.pv_regs`, 4 e4m3 tiles) instead of the converter's fp16 copy: 1.01-1.05x at
+# 128K-2M tokens on an H100, 0.88-0.97x at 1K-64K, where the converter form's shorter start
+# of a program counts (perf/RESULTS.md, run AU). 0: at any size.
+GLUON_PV_REGS_TOKENS = 128 * 1024
 # Query heads across the batch (batch x num_heads) from which the Gluon kernel takes 32 heads a
 # program (`gluon_config`).
 GLUON_WIDE_HEAD_ROWS = 1024
@@ -594,7 +596,7 @@ def gluon_config(
         # refills it during the rest; the smaller V ring leaves room for a third e4m3 tile
         # (224 KB, `perf/gluon_census.py`): 1.02-1.05x at batch >= 64 (run AK).
         cfg = cfg._replace(num_stages=3, gluon=3, v_rows=32)
-    if GLUON_PV_REGS:
+    if batch * max_seq_len >= GLUON_PV_REGS_TOKENS:
         cfg = cfg._replace(num_stages=4, gluon=1, v_rows=64, pv_regs=True)
     if num_heads >= 32 and wide_rows:
         # NOTE: 32 heads a program halve the programs that read each tile: 1.34-1.54x the
