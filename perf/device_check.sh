@@ -76,17 +76,18 @@ if [[ " $STEPS " == *" gluon16 "* ]]; then
 fi
 # Issue 16's Done-when in one call (about 8 minutes on an H200, run AT): the kernel grid at 16
 # and 128 heads beside FlashMLA, the engine over FP8 against bf16 KV at 64 and 256 requests
-# (processes in the order fp8, bf16, bf16, fp8), and the 16-head FP8 Gluon forms at batch 16
-# ctx 16K (the point left below FlashMLA FP8). Only when named (`bash perf/device_check.sh
-# issue16`).
+# (processes in the order fp8, bf16, bf16, fp8), and the 16-head FP8 kernel with V read into
+# registers against the converter form at the grid's points (run AU: the engine takes the
+# first from 128K tokens of work). Only when named (`bash perf/device_check.sh issue16`).
 if [[ " $STEPS " == *" issue16 "* ]]; then
     step issue16 590 bash -c "python3 perf/bench_kernels.py --no-moe --no-fp8-bmm \
         --heads 16 128 --out '$OUT/issue16'; \
         python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba --ns 64,256 \
         --skip-compile --skip-eager --profile-ns '' --time-budget 300 \
         --json '$OUT/issue16_engine.json'; \
-        python3 perf/bench_kernels.py --tune --gluon-only --heads 16 --kinds ours_fp8_p1 \
-        --batches 16 --contexts 16384 --out '$OUT/issue16_tune'"
+        python3 perf/bench_decode_parts.py --points 1x1024 1x4096 1x16384 16x1024 16x4096 \
+        16x16384 64x1024 64x4096 64x16384 128x1024 128x4096 128x16384 \
+        --fp8-forms regs4 regs5 q1 regs4q1"
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
