@@ -544,9 +544,10 @@ def default_config(num_heads: int, is_fp8: bool, page_size: int = 1) -> MLADecod
 GLUON_DEEP_RING_TOKENS = 64 * 1024
 # With this many tokens of work a call (batch x the longest context) or more, the engine's FP8
 # pick at 16 heads a program reads V into the attention group's registers
-# (`MLADecodeConfig.pv_regs`, 4 e4m3 tiles) instead of the converter's fp16 copy: 1.01-1.05x at
-# 128K-2M tokens on an H100, 0.88-0.97x at 1K-64K, where the converter form's shorter start
-# of a program counts (perf/RESULTS.md, run AU). 0: at any size.
+# (`MLADecodeConfig.pv_regs`, 4 e4m3 tiles) instead of the converter's fp16 copy: 1.00-1.05x
+# at 128K-1M tokens on an H100 (batch 128 ctx 16K: 0.97x and 1.03x in two calls), 0.80-0.94x at
+# 1K-64K, where the converter form's shorter start of a program counts (perf/RESULTS.md, run
+# AU). 0: at any size.
 GLUON_PV_REGS_TOKENS = 128 * 1024
 # Query heads across the batch (batch x num_heads) from which the Gluon kernel takes 32 heads a
 # program (`gluon_config`).
@@ -563,7 +564,8 @@ def gluon_config(
 ) -> MLADecodeConfig:
     """The warp-specialized Gluon kernels (sm_90). FP8 caches (`mla_decode_gluon`): q as two
     e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
-    3 e4m3 tiles and V in 3 slots of 32 tokens for large ones; wide calls of 64+ heads take the
+    3 e4m3 tiles and V in 3 slots of 32 tokens for larger ones, and from GLUON_PV_REGS_TOKENS
+    of work V read into registers (`pv_regs`, 4 e4m3 tiles, no converter); wide calls of 64+ heads take the
     kernel of 64 heads a program (`mla_decode_gluon_wide`: q as one e4m3 term, 3 tiles).
     16-bit caches: at 64+ heads (`mla_decode_gluon_wide`) 64 heads a program, 2 tiles in
     flight; else `mla_decode_gluon`'s 16 heads a program over 2 tiles of the 16-bit ring (no
