@@ -565,8 +565,9 @@ def gluon_config(
     """The warp-specialized Gluon kernels (sm_90). FP8 caches (`mla_decode_gluon`): q as two
     e4m3 terms, one program an SM: 2 e4m3 tiles and 2 fp16 V tiles in flight for small calls,
     3 e4m3 tiles and V in 3 slots of 32 tokens for larger ones, and from GLUON_PV_REGS_TOKENS
-    of work V read into registers (`pv_regs`, 4 e4m3 tiles, no converter); wide calls of 64+ heads take the
-    kernel of 64 heads a program (`mla_decode_gluon_wide`: q as one e4m3 term, 3 tiles).
+    of work V read into registers (`pv_regs`, 4 e4m3 tiles, no converter); wide calls of 64+
+    heads take the kernel of 64 heads a program (`mla_decode_gluon_wide`: q as one e4m3 term,
+    3 tiles).
     16-bit caches: at 64+ heads (`mla_decode_gluon_wide`) 64 heads a program, 2 tiles in
     flight; else `mla_decode_gluon`'s 16 heads a program over 2 tiles of the 16-bit ring (no
     converter: PV reads the ring's latent). The tile shapes are the kernels' own (`_launch`
