@@ -599,16 +599,14 @@ def gluon_config(
         # refills it during the rest; the smaller V ring leaves room for a third e4m3 tile
         # (224 KB, `perf/gluon_census.py`): 1.02-1.05x at batch >= 64 (run AK).
         cfg = cfg._replace(num_stages=3, gluon=3, v_rows=32)
-    if batch * max_seq_len >= GLUON_PV_REGS_TOKENS:
-        cfg = cfg._replace(num_stages=4, gluon=1, v_rows=64, pv_regs=True)
     if num_heads >= 32 and wide_rows:
         # NOTE: 32 heads a program halve the programs that read each tile: 1.34-1.54x the
         # 16-head form at 128 heads, batch 16-128, ctx 4K; at batch 1 (4 programs) 0.78x
         # (run AM). V in 32-token slots so that it fits, with 2 e4m3 tiles. The kernel of 64
         # heads a program takes these calls where the model's shape allows.
-        cfg = cfg._replace(
-            block_h=32, num_stages=2, gluon=2, v_rows=32, gluon_heads=32, pv_regs=False
-        )
+        cfg = cfg._replace(block_h=32, num_stages=2, gluon=2, v_rows=32, gluon_heads=32)
+    elif batch * max_seq_len >= GLUON_PV_REGS_TOKENS:
+        cfg = cfg._replace(num_stages=4, gluon=1, v_rows=64, pv_regs=True)
     return cfg
 
 

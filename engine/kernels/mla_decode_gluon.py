@@ -406,17 +406,17 @@ def _pv_regs_step(v_tile, k, p_s, acc, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(sq, n, end, scale, m_i, l_i, s_layout: gl.constexpr, HEADS: gl.constexpr):
-    """The online softmax of the tile at token n (scores `sq` from the QK chain; tokens from
-    `end` on masked): returns P [tokens, heads], the new running max and sum, and the factor
-    that rescales what was accumulated before."""
+def _online_softmax(sq, valid, scale, m_i, s_layout: gl.constexpr, HEADS: gl.constexpr):
+    """The online softmax of a tile (scores `sq` from the QK chain; the tokens where `valid`
+    is false masked): returns P [tokens, heads], the new running max, and the factor that
+    rescales what was accumulated before (the running sum is the caller's: e4m3 PV sums the
+    rounded P)."""
     qk = _combine_terms(sq, s_layout, HEADS)
-    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    qk = gl.where((n + offs_t < end)[:, None], qk * scale, float("-inf"))
+    qk = gl.where(valid[:, None], qk * scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(qk - m_new[None, :])
-    return p, m_new, l_i * alpha + gl.sum(p, 0), alpha
+    return p, m_new, alpha
 
 
 @gluon.jit
@@ -433,12 +433,14 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
     HEADS: gl.constexpr = p_s.shape[1]
     STAGES: gl.constexpr = lat_ring.shape[0]
     n_tiles = _n_tiles(start, end)
+    offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
     fence_async_shared()
     sq = warpgroup_mma_wait(
         0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
     )
-    p, m_i, l_i, alpha = _online_softmax(sq, start, end, scale, m_i, l_i, s_layout, HEADS)
+    p, m_i, alpha = _online_softmax(sq, start + offs_t < end, scale, m_i, s_layout, HEADS)
+    l_i = l_i * alpha + gl.sum(p, 0)
     p_s.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
     fence_async_shared()
     _barrier()
@@ -461,8 +463,9 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
         mbarrier.arrive(kv_empty.index(i % STAGES))
         # QK (two groups, issued first) is done; PV's four may still run.
         sq = warpgroup_mma_wait(4, deps=(next_sq,))
-        n = start + (i + 1) * BLOCK_N
-        p, m_i, l_i, alpha = _online_softmax(sq, n, end, scale, m_i, l_i, s_layout, HEADS)
+        valid = start + (i + 1) * BLOCK_N + offs_t < end
+        p, m_i, alpha = _online_softmax(sq, valid, scale, m_i, s_layout, HEADS)
+        l_i = l_i * alpha + gl.sum(p, 0)
         p_s.index((i + 1) % 2).store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         _barrier()
@@ -555,12 +558,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
                 sq = warpgroup_mma_wait(
                     0, deps=(_issue_qk(lat_ring.index(s0), pe_ring.index(s0), q_s, q_pe_s, zero),)
                 )
-            qk = _combine_terms(sq, s_layout, HEADS)
             valid = start + i * BLOCK_N + offs_t < end
-            qk = gl.where(valid[:, None], qk * scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(qk, 0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(qk - m_new[None, :])
+            p, m_new, alpha = _online_softmax(sq, valid, scale, m_i, s_layout, HEADS)
             if PV8:
                 p8 = (p * P_SCALE).to(gl.float8e4nv)
                 l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 0) * (1.0 / P_SCALE)
