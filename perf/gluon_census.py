@@ -169,22 +169,26 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any]) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def ptxas_spill_bytes(ptx: str) -> int | None:
-    """The bytes ptxas (Triton's own, sm_90a) spills to local memory for this PTX: register
-    spills show only there, not in the PTX. None where this Triton has no such ptxas."""
+def ptxas_report(ptx: str) -> tuple[int | None, bool | None]:
+    """What ptxas (Triton's own, sm_90a) says of this PTX: the bytes it spills to local memory
+    (register spills show only there, not in the PTX), and whether it serializes the wgmmas
+    (its warning C7514: each then waits for the one before). Nones where this Triton has no
+    such ptxas."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
         path = get_ptxas(90).path
     except Exception:  # noqa: BLE001 (an older Triton: another name, or no ptxas)
-        return None
+        return None, None
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
         cmd = [path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    found = re.findall(r"(\d+) bytes spill stores", out.stdout + out.stderr)
-    return max(int(n) for n in found) if found else None
+    log = out.stdout + out.stderr
+    found = re.findall(r"(\d+) bytes spill stores", log)
+    serialized = re.search(r"C7514|instructions are serialized", log) is not None
+    return (max(int(n) for n in found) if found else None), serialized
 
 
 def main() -> None:
@@ -225,8 +229,9 @@ def main() -> None:
     for name, pattern in PATTERNS.items():
         found = re.findall(pattern, ptx)
         print(f"  {name}: {len(found)} {sorted(set(found))[:4]}")
-    spills = ptxas_spill_bytes(ptx)
-    print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes", flush=True)
+    spills, serialized = ptxas_report(ptx)
+    print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes")
+    print(f"  ptxas wgmma serialized: {'n/a' if serialized is None else serialized}", flush=True)
     if args.pv_e4m3:
         transposer_conflicts()
     if args.pv_regs:

@@ -35,7 +35,8 @@ def _census(flags: list[str], pdl_partitions: int, spill_limit: int) -> tuple[di
     shares: the loader's gathers signal their mbarrier, the partitions get their own register
     budgets, no explicit local memory, the partitions that touch global memory keep the PDL
     contract's wait, ptxas (Triton's own, sm_90a) spills at most `spill_limit` bytes (register
-    spills show only in its report), and the kernel fits the SM's shared memory."""
+    spills show only in its report) and leaves the wgmmas pipelined (no warning C7514), and
+    the kernel fits the SM's shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(REPO / "perf" / "gluon_census.py"), *flags]
     out = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
@@ -48,6 +49,7 @@ def _census(flags: list[str], pdl_partitions: int, spill_limit: int) -> tuple[di
     spills = re.search(r"ptxas spill stores: (\d+|n/a) bytes", report)[1]  # type: ignore[index]
     if spills != "n/a":
         assert int(spills) <= spill_limit, report
+    assert "ptxas wgmma serialized: True" not in report, report
     shared_kb = float(re.search(r"shared KB ([\d.]+)", report)[1])  # type: ignore[index]
     assert shared_kb <= H200_SHARED_KB, report
     return counts, report
@@ -80,7 +82,9 @@ def test_gluon_decode_kernel_compiles_for_hopper(flags: list[str]) -> None:
     wide = "--heads" in flags  # 32 heads: N of 64 (two q terms) and 32
     qk, pv = ("m64n64k32", "m64n32k16") if wide else ("m64n32k32", "m64n16k16")
     assert counts["wgmma e4m3"] in (18, 36) and qk in report, report
-    assert counts["wgmma f16"] == 32 and pv in report, report
+    # (V read into registers: PV's 32 twice, the last tile's following the loop.)
+    f16 = 64 if "--pv-regs" in flags else 32
+    assert counts["wgmma f16"] == f16 and pv in report, report
     assert counts["cvt e4m3x2"] >= 128, report  # 64 x 512 a tile over 128 threads, 2 a cvt
 
 
@@ -100,13 +104,14 @@ def test_gluon_e4m3_pv_compiles_for_hopper() -> None:
 def test_gluon_pv_regs_compiles_for_hopper() -> None:
     """`pv_regs`: V^T read from the e4m3 ring into the attention group's registers. No converter
     warps (256 threads: the attention group and the loader, padded to warp groups), PV still
-    8 M-blocks x 4 k-steps of fp16 m64n16k16 wgmmas (now with A from registers), each thread's
+    8 M-blocks x 4 k-steps of fp16 m64n16k16 wgmmas (now with A from registers; twice over: the
+    last tile's PV follows the loop), each thread's
     V bytes read as 16-byte loads (4 tokens a k-step: at least 16 a tile) free of bank
     conflicts, and 5 e4m3 tiles, q and P fit. Spills: none with Triton 3.6 (the GPU's), 128
     bytes with 3.9."""
     counts, report = _census(["--pv-regs", "--stages", "5"], pdl_partitions=2, spill_limit=160)
     assert "threads 256" in report, report
-    assert counts["wgmma e4m3"] == 36 and counts["wgmma f16"] == 32, report
+    assert counts["wgmma e4m3"] == 36 and counts["wgmma f16"] == 64, report
     assert "m64n16k16" in report and counts["shared 16B loads"] >= 16, report
     assert counts["cvt e4m3x2"] >= 128, report
     assert "register-V load conflicts: 0" in report, report

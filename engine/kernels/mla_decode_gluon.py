@@ -420,16 +420,29 @@ def _online_softmax(sq, valid, scale, m_i, s_layout: gl.constexpr, HEADS: gl.con
 
 
 @gluon.jit
+def _pv_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
+    """A tile's PV with V^T from registers: the accumulator rescaled by `alpha`, then four
+    `_pv_regs_step`s, issued (not waited for); returns the accumulator's token and the four A
+    operands, which must stay alive until the wgmmas are done."""
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+    acc, a0 = _pv_regs_step(v_tile, 0, p_i, acc, o_layout)
+    acc, a1 = _pv_regs_step(v_tile, 1, p_i, acc, o_layout)
+    acc, a2 = _pv_regs_step(v_tile, 2, p_i, acc, o_layout)
+    acc, a3 = _pv_regs_step(v_tile, 3, p_i, acc, o_layout)
+    return acc, a0, a1, a2, a3
+
+
+@gluon.jit
 def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start, end, scale,
                   zero, acc, m_i, l_i, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    """The attention group's tiles with V^T from registers (`pv_regs`): per tile, QK of the
-    next tile is issued, then this tile's PV (`_pv_regs_step`, P from the softmax before),
-    and while PV runs on the tensor cores the next tile's softmax fills the other P buffer.
-    All of a tile's wgmmas are waited for inside its iteration (a wgmma left in flight across
-    the loop's back edge made ptxas serialize every wgmma). The last iteration's QK runs on a
-    stale slot (its wait skipped) and its softmax, every token masked (a stale score is never
-    read: `gl.where` takes -inf), leaves the running max and sum as they were. A ring slot goes
-    back to the loader once every warp has read its V."""
+    """The attention group's tiles with V^T from registers (`pv_regs`): per tile but the last,
+    QK of the next tile is issued, then this tile's PV (`_pv_regs_tile`, P from the softmax
+    before), and while PV runs on the tensor cores the next tile's softmax fills the other P
+    buffer; the last tile's PV follows the loop. All of a tile's wgmmas are waited for inside
+    its iteration (a wgmma left in flight across the loop's back edge made ptxas serialize
+    every wgmma). A ring slot goes back to the loader once every warp has read its V (the last
+    one never: no tile follows it). An empty split's QK and PV run on a stale slot, their
+    results never stored."""
     HEADS: gl.constexpr = p_s.shape[1]
     STAGES: gl.constexpr = lat_ring.shape[0]
     n_tiles = _n_tiles(start, end)
@@ -444,18 +457,14 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
     p_s.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
     fence_async_shared()
     _barrier()
-    for i in range(n_tiles):
+    for i in range(n_tiles - 1):
         s1 = (i + 1) % STAGES
-        mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1, pred=i + 1 < n_tiles)
+        mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
         fence_async_shared()
         next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        v_tile = lat_ring.index(i % STAGES)
-        p_i = p_s.index(i % 2)
-        acc, a0 = _pv_regs_step(v_tile, 0, p_i, acc, o_layout)
-        acc, a1 = _pv_regs_step(v_tile, 1, p_i, acc, o_layout)
-        acc, a2 = _pv_regs_step(v_tile, 2, p_i, acc, o_layout)
-        acc, a3 = _pv_regs_step(v_tile, 3, p_i, acc, o_layout)
+        acc, a0, a1, a2, a3 = _pv_regs_tile(
+            lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
+        )
         # The slot goes back as soon as every warp holds its V, so that the loader keeps as
         # many tiles in flight as it can (released after the next softmax instead, one
         # program over 64K tokens took 1640 us on an H100, run AU).
@@ -470,6 +479,11 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
         fence_async_shared()
         _barrier()
         acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+    last = gl.maximum(n_tiles - 1, 0)
+    acc, a0, a1, a2, a3 = _pv_regs_tile(
+        lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
+    )
+    acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
     return acc, m_i, l_i
 
 
