@@ -4,13 +4,15 @@ counts, beside FlashMLA in the same process, over bf16 and FP8 caches on the eng
 (page size 1) through the Gluon kernels as the engine picks them.
 
     PYTHONPATH=. python3 perf/bench_decode_parts.py [--points 16x16384 64x16384 ...]
-        [--splits 4 8 16]
+        [--splits 4 8 16] [--fp8-forms regs4 ...] [--l2]
 
 Run AQ left the FP8 kernel at 0.99x FlashMLA FP8 at batch 16 and 64, ctx 16K, where both
 programs per request fill 128 of 132 SMs; this shows what the merge and the split count cost
 there. us a call (CUDA-graph replays, `bench_kernels.time_graph`); "merge inside": the call with
 the split merge inside stage 1 (`MLADecodeConfig.merge_inside`) instead of `merge_splits`
-after it.
+after it. With `--l2` every request reads the first request's rows, which then stay in L2: the
+calls take about what their compute takes, a card's memory bandwidth nearly out of the way (the
+H100 and H200 have the same SMs and clocks, so this bounds on one what the other can reach).
 """
 
 from __future__ import annotations
@@ -50,8 +52,14 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also these split counts")
     ap.add_argument(
         "--fp8-forms", nargs="*", default=[],
-        help="also FP8 calls of these forms: regsN (V from registers, N e4m3 tiles), with a "
-        "'q1' suffix q as one e4m3 term (q1 alone: the engine's form with one term)",
+        help="also FP8 calls of these forms: regsN (V from registers, N e4m3 tiles), conv (the "
+        "converter warps' form with 3 e4m3 tiles), with a 'q1' suffix q as one e4m3 term (q1 "
+        "alone: the engine's form with one term)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--l2", action="store_true",
+        help="every request reads the first one's rows (one context's cache, held in L2): what "
+        "the kernels take with the memory's bandwidth nearly out of the way",
     )  # fmt: skip
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
@@ -64,6 +72,9 @@ def main() -> None:
     print("| --- " * (head.count("|") - 1) + "|")
     for batch, ctx in args.points:
         p = bench_kernels.MLAPoint(batch, ctx)
+        if args.l2:
+            p.req_pool_indices.zero_()
+            p.block_table.copy_(p.block_table[:1].expand_as(p.block_table))
         for kv_name in ("bf16", "fp8"):
             print(measure(p, kv_name, args), flush=True)
         del p
@@ -125,10 +136,13 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
 
 
 def form_config(cfg: md.MLADecodeConfig, form: str) -> md.MLADecodeConfig:
-    """`--fp8-forms`' names: regsN (`pv_regs`, N e4m3 tiles) and a q1 suffix (one q term)."""
+    """`--fp8-forms`' names: regsN (`pv_regs`, N e4m3 tiles), conv (the converter form of large
+    calls: 3 e4m3 tiles, V in 32-token slots) and a q1 suffix (one q term)."""
     if form.endswith("q1"):
         cfg, form = cfg._replace(q_residual=False), form[:-2]
-    if form.startswith("regs"):
+    if form == "conv":
+        cfg = cfg._replace(pv_regs=False, num_stages=3, gluon=3, v_rows=32)
+    elif form.startswith("regs"):
         cfg = cfg._replace(pv_regs=True, num_stages=int(form[4:]), gluon=1, v_rows=64)
     elif form:
         raise SystemExit(f"unknown form {form!r}")
