@@ -187,3 +187,57 @@ def test_chat_template_without_one_is_a_bad_request(
     model.engine = types.SimpleNamespace(tokenizer=tok)
     with pytest.raises(BadRequest, match="no chat template"):
         model._chat("Hi")
+
+
+class _CancelledSender(_Sender):
+    def is_cancelled(self) -> bool:
+        return True
+
+
+def test_a_request_cancelled_while_it_is_added_is_aborted(
+    adapter: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that leaves before the engine has its request (the prompt still tokenizing):
+    the engine ignores an abort of an id it does not have, so the adapter aborts it once it is
+    added, instead of letting it run to max_tokens."""
+    outs: list[Any] = []
+    add, on_output = adapter.engine.add_request, adapter._on_output
+
+    def slow_add(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)  # the response thread polls cancellations every 50 ms meanwhile
+        add(*args, **kwargs)
+
+    monkeypatch.setattr(adapter.engine, "add_request", slow_add)
+    monkeypatch.setattr(adapter, "_on_output", lambda out: (outs.append(out), on_output(out)))
+    params = json.dumps({"max_tokens": 400, "ignore_eos": True, "temperature": 0})
+    request = _Request({"text_input": b"Tell me a story", "stream": True,
+                        "sampling_parameters": params.encode()})  # fmt: skip
+    request.sender = _CancelledSender()
+    adapter.execute([request])
+    assert request.sender.finished.wait(60), "the request never ended"
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "abort", last
+    assert sum(len(o.token_ids) for o in outs) < 400
+    adapter.finalize()
+
+
+def test_several_instances_leave_http_disconnects_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stub sees every CLOSE_WAIT socket on the server's port but only its own requests:
+    with several instances a socket of another instance's request could abort one of this
+    instance's, so the search is off there."""
+    from engine.serving.disconnects import HttpDisconnects
+
+    instances = _model_class(monkeypatch).initialize.__globals__["model_instances"]
+    assert instances({"instance_group": [{"count": 1, "kind": "KIND_MODEL"}]}) == 1
+    assert instances({}) == 1
+    assert instances({"instance_group": [{"count": 2, "kind": "KIND_MODEL"}]}) == 2
+    assert instances({"instance_group": [{"count": 1, "gpus": [0, 1]}, {"count": 1}]}) == 3
+    assert HttpDisconnects.of_parent(2).port is None
+    assert HttpDisconnects.of_parent(2).find({"r": 1.0}) == []
+
+
+def test_an_engine_in_the_stub_ends_the_stub_when_it_dies(adapter: Any) -> None:
+    """`engine_process: false`: a dead tensor-parallel worker ends the stub, as a dead engine
+    process does, so the model does not stay ready while every request fails."""
+    assert adapter.engine._on_dead == adapter._engine_died
+    adapter.finalize()

@@ -123,6 +123,21 @@ def test_repetition_penalty_matches_transformers() -> None:
         assert out[r] == ref.argmax()
 
 
+@pytest.mark.parametrize("penalty", [1e-50, 1e-38])
+def test_a_penalty_near_zero_samples_a_seen_token_not_nan(penalty: float) -> None:
+    """A penalty below 1 favors the tokens already seen; near 0 (1e-50 is 0 in float32, 1e-38
+    a subnormal) their positive logits divided by it are inf. The draw is then among them,
+    never the NaN softmax's token 0, which is not in the history."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 32).abs() + 1.0  # every logit positive
+    history = [[5, 9, 17]] * 4
+    params = [SamplingParams(temperature=t, repetition_penalty=penalty, seed=s)
+              for t, s in [(1.0, 1), (0.7, 2), (2.0, 3), (1.0, None)]]  # fmt: skip
+    for _ in range(5):
+        out = run(logits, params, history)
+        assert set(out.tolist()) <= {5, 9, 17}, out
+
+
 def test_repetition_penalty_ignores_out_of_vocab_ids_and_keeps_input() -> None:
     logits = torch.tensor([[1.0, -1.0, 2.0]])
     before = logits.clone()

@@ -273,7 +273,10 @@ class Sampler(torch.nn.Module):
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         next_ids = first_argmax(logits)  # greedy rows keep this
         rows = host_to_device(info.sampled_rows, torch.int64, logits.device)
-        probs = torch.softmax(logits[rows] / info.temperatures[rows], dim=-1)
+        # NOTE: a repetition penalty near 0 turns a seen token's logit to inf (x / penalty), and
+        # softmax over two infs is NaN: held at float32's largest, such tokens share the draw.
+        scaled = (logits[rows] / info.temperatures[rows]).clamp_(max=torch.finfo(torch.float32).max)
+        probs = torch.softmax(scaled, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = filter_probs(probs, info)
 

@@ -12,6 +12,11 @@ client left. An ambiguous match aborts nothing (the server's `max_tokens_cap` st
 A socket counts only once it has been seen in two dumps in a row: an idle keep-alive connection
 that its client closes is in CLOSE_WAIT too, for the moment Triton takes to close it.
 
+A stub sees every CLOSE_WAIT socket on the server's port but only its own requests, so where
+several instances of the model serve (instance_group), a socket of another instance's request
+could be matched to one of this instance's: the search is then off (`of_parent`). Another
+model served over the same HTTP port would share the risk.
+
 Linux only; anywhere else (or without netlink) nothing is found and nothing is aborted.
 """
 
@@ -95,9 +100,10 @@ class HttpDisconnects:
         self._seen: set[int] = set()  # CLOSE_WAIT sockets of the previous dump
 
     @classmethod
-    def of_parent(cls) -> HttpDisconnects:
-        """For a model running in a stub: the port of the server that started it."""
-        return cls(server_http_port(os.getppid()))
+    def of_parent(cls, instances: int = 1) -> HttpDisconnects:
+        """For a model running in a stub: the port of the server that started it; off (no
+        port) where the model has several `instances`, whose requests this stub cannot see."""
+        return cls(server_http_port(os.getppid()) if instances == 1 else None)
 
     def find(self, candidates: Mapping[str, float]) -> list[str]:
         """Call every fraction of a second while there are candidates (id -> arrival time)."""

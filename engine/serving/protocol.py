@@ -170,7 +170,8 @@ class Stream:
     logprobs_sent: int = 0  # streaming: how many of them went out
     num_output_tokens: int = 0
     replied: bool = False  # a response (not the final one) was sent
-    cancelled: bool = False  # the client went away; the engine was told to abort
+    cancelled: bool = False  # the client went away; the engine is told to abort once added
+    added: bool = False  # the engine has it (an abort before that would be ignored)
 
     @property
     def unanswered(self) -> bool:

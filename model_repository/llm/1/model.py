@@ -54,7 +54,12 @@ class TritonPythonModel:
         from engine.serving.lifecycle import ServerLifecycle, grace_from_env
 
         self.lifecycle = ServerLifecycle(grace_from_env())  # before the load: a stop drains too
-        self.disconnects = HttpDisconnects.of_parent()
+        instances = model_instances(model_config)
+        self.disconnects = HttpDisconnects.of_parent(instances)
+        if instances > 1:
+            pb_utils.Logger.log_info(
+                f"llm: {instances} instances: HTTP clients that leave unseen are not searched for"
+            )
         config = load_engine_config(model_dir / args["model_version"] / "model.json", repo_root)
         # numpy's version and place: the stub's own numpy code breaks under numpy 2 when it was
         # built for numpy 1 (docs/SERVING.md, "On the H200").
@@ -64,7 +69,9 @@ class TritonPythonModel:
             self.engine: Any = EngineProcess(config, on_died=self._engine_died)
             pb_utils.Logger.log_info(f"llm: the engine runs in process {self.engine.pid}")
         else:
-            self.engine = AsyncEngine(config)
+            # (a dead tensor-parallel worker ends the stub here too, as a dead engine process
+            # does: the model must not stay ready while every request fails)
+            self.engine = AsyncEngine(config, on_dead=self._engine_died)
         # NOTE: one series per model instance (instance_group count > 1 runs an engine each):
         # with model and version alone, each instance's gauges overwrote the others'.
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -98,6 +105,8 @@ class TritonPythonModel:
                 self.engine.add_request(st.request_id, req.prompt, req.params, self._on_output)
             except Exception as e:  # ValueError: prompt too long for the context, ...
                 self.queue.put(("rejected", (st.request_id, rejection(e))))
+            else:
+                self.queue.put(("added", st.request_id))
         return None
 
     def _chat(self, prompt: str) -> str:
@@ -169,6 +178,16 @@ class TritonPythonModel:
         elif kind == "error":
             sender, message = item
             sender.send(_error(message), flags=FINAL)
+        elif kind == "added":
+            # NOTE: the engine ignores an abort of an id it does not have yet, so a request
+            # cancelled (or ended by a drain) while it was being tokenized is aborted only now.
+            st = self.active.get(item)
+            if st is None:  # ended already (or finished): an abort of a finished id is a no-op
+                self.engine.abort(item)
+            else:
+                st.added = True
+                if st.cancelled:
+                    self.engine.abort(item)
         elif kind == "rejected":
             request_id, message = item
             self.active.pop(request_id).sender.send(_error(message), flags=FINAL)
@@ -210,7 +229,8 @@ class TritonPythonModel:
 
     def _cancel(self, st: Any) -> None:
         st.cancelled = True
-        self.engine.abort(st.request_id)  # its final delta (reason "abort") closes it
+        if st.added:  # else once it is ("added")
+            self.engine.abort(st.request_id)  # its final delta (reason "abort") closes it
 
     def _end_all(self, message: str) -> None:
         for st in list(self.active.values()):
@@ -221,7 +241,8 @@ class TritonPythonModel:
 
     def _end(self, st: Any, message: str) -> None:
         del self.active[st.request_id]  # the engine's final delta for it is then ignored
-        self.engine.abort(st.request_id)
+        if st.added:  # else once it is ("added")
+            self.engine.abort(st.request_id)
         self.metrics.observe_request(st.timer.timing())
         st.sender.send(_error(message), flags=FINAL)
 
@@ -235,6 +256,13 @@ class TritonPythonModel:
         self.thread.join(timeout=10)
         self.metrics.close()
         self.engine.shutdown()
+
+
+def model_instances(model_config: dict[str, Any]) -> int:
+    """The model's instances over all of its instance groups (a group's count on each of its
+    GPUs, where it names them)."""
+    groups = model_config.get("instance_group") or [{}]
+    return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups)
 
 
 def _getter(request: Any) -> Any:
