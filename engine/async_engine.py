@@ -77,6 +77,10 @@ class AsyncEngine:
             self.core.add_request(rid, ids, params, callback)
         except ValueError as e:  # a duplicate id: report it to this request only
             callback(RequestOutput(rid, finished=True, finish_reason="abort", error=str(e)))
+        except Exception as e:  # anything else that refused it: this request's error too
+            logger.exception("adding request %s failed", rid)
+            error = f"the request could not be added: {e!r}"
+            callback(RequestOutput(rid, finished=True, finish_reason="abort", error=error))
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.core.abort(request_id))

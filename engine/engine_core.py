@@ -120,17 +120,20 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already running")
         self.check_params(params)
         req = Req(rid=rid, prompt_ids=prompt_ids, params=params, arrival=0)
-        self.scheduler.add_request(req)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        self.states[rid] = _ReqState(
+        # NOTE: all that can fail (the detokenizer decodes the prompt's tail) before the
+        # scheduler has the request: one it schedules without a state would fail every step.
+        state = _ReqState(
             req=req,
             callback=callback,
             detokenizer=self._detokenizer(prompt_ids, params),
             stop_ids=frozenset(stop_ids),
             metrics=RequestMetrics(arrival=time.monotonic()),
         )
+        self.scheduler.add_request(req)
+        self.states[rid] = state
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError for settings this engine cannot honour (before anything is queued)."""

@@ -70,14 +70,15 @@ class LLM:
             if delta.finished:
                 out.finish_reason = delta.finish_reason or "stop"
 
-        for ids, p in zip(token_ids, param_list, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            order.append(rid)
-            results[rid] = CompletionOutput(
-                rid, ids, "", [], "", logprobs=[] if p.logprobs else None
-            )
-            self.core.add_request(rid, ids, p, collect)
         try:
+            # (inside: a request that cannot be added fails those added before it too)
+            for ids, p in zip(token_ids, param_list, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                order.append(rid)
+                results[rid] = CompletionOutput(
+                    rid, ids, "", [], "", logprobs=[] if p.logprobs else None
+                )
+                self.core.add_request(rid, ids, p, collect)
             while self.core.has_work():
                 if not self.core.step():
                     raise RuntimeError("requests are queued but none can be scheduled")

@@ -464,3 +464,49 @@ def test_batch_log_lines(tiny_llama: str, caplog: pytest.LogCaptureFixture) -> N
             prompts, params
         )
     assert not [r for r in caplog.records if r.name == "engine.batch_log"]
+
+
+def _failing_detokenizer(make):  # type: ignore[no-untyped-def]
+    """An engine core's `_detokenizer` that raises for prompts starting with token 13."""
+
+    def detokenizer(prompt_ids: list[int], params: SamplingParams):  # type: ignore[no-untyped-def]
+        if prompt_ids[0] == 13:
+            raise IndexError("piece id is out of range")
+        return make(prompt_ids, params)
+
+    return detokenizer
+
+
+def test_a_request_that_fails_to_be_added_leaves_nothing_behind(tiny_mla) -> None:
+    """Adding a request is all or nothing: one whose state cannot be built (here its
+    detokenizer raises) gets its own error, and the scheduler never holds it (a request it
+    schedules without a state failed every later step, and with it every other request)."""
+    model = tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True)
+    engine = AsyncEngine(EngineConfig(model=model, dtype="float32", max_total_tokens=512))
+    engine.core._detokenizer = _failing_detokenizer(engine.core._detokenizer)  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def collect(rid: str, prompt: list[int]) -> list[RequestOutput]:
+        return [d async for d in engine.generate(prompt, params, rid)]
+
+    async def run() -> list[list[RequestOutput]]:
+        prompts = {"a": [300, 301], "bad": [13, 14], "b": [302, 303]}
+        every = asyncio.gather(*(collect(r, p) for r, p in prompts.items()))
+        return await asyncio.wait_for(every, 60)  # (one never ended before the fix)
+
+    try:
+        good_a, bad, good_b = asyncio.run(run())
+        assert bad[-1].finished and "piece id is out of range" in (bad[-1].error or ""), bad
+        for got in (good_a, good_b):
+            assert got[-1].error is None and got[-1].finish_reason == "length", got
+            assert sum(len(d.token_ids) for d in got) == 4
+        assert not engine.core.has_work() and "bad" not in engine.core.states
+    finally:
+        engine.shutdown()
+
+    llm = LLM(model, dtype="float32", max_total_tokens=512)
+    llm.core._detokenizer = _failing_detokenizer(llm.core._detokenizer)  # type: ignore[method-assign]
+    with pytest.raises(IndexError):
+        llm.generate([[300, 301], [13, 14]], params)
+    assert not llm.core.has_work()  # the first one, added before, failed with it
+    assert len(llm.generate([[300, 301]], params)[0].token_ids) == 4
