@@ -74,7 +74,7 @@ def main() -> None:
         p = bench_kernels.MLAPoint(batch, ctx)
         if args.l2:
             p.req_pool_indices.zero_()
-            p.block_table.copy_(p.block_table[:1].expand_as(p.block_table))
+            p.block_table.copy_(p.block_table[:1].clone().expand_as(p.block_table))
         for kv_name in ("bf16", "fp8"):
             print(measure(p, kv_name, args), flush=True)
         del p

@@ -74,20 +74,22 @@ if [[ " $STEPS " == *" gluon16 "* ]]; then
         --out '$OUT/gluon16_nopdl'; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --out '$OUT/gluon16_pdl'"
 fi
-# Issue 16's Done-when in one call (about 8 minutes on an H200, run AT): the kernel grid at 16
+# Issue 16's Done-when in one call (about 7 minutes on an H100, run AV): the kernel grid at 16
 # and 128 heads beside FlashMLA, the engine over FP8 against bf16 KV at 64 and 256 requests
-# (processes in the order fp8, bf16, bf16, fp8), and the 16-head FP8 kernel with V read into
-# registers against the converter form at the grid's points (run AU: the engine takes the
-# first from 128K tokens of work). Only when named (`bash perf/device_check.sh issue16`).
+# (processes in the order fp8, bf16, bf16, fp8), the 16-head FP8 call (V read into registers
+# from 128K tokens of work) against the converter form and the 5-tile register form at the
+# grid's points, and the same at ctx 16K with the cache held in L2 (`--l2`: the calls' compute
+# limit). Only when named (`bash perf/device_check.sh issue16`).
 if [[ " $STEPS " == *" issue16 "* ]]; then
     step issue16 590 bash -c "python3 perf/bench_kernels.py --no-moe --no-fp8-bmm \
         --heads 16 128 --out '$OUT/issue16'; \
         python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba --ns 64,256 \
-        --skip-compile --skip-eager --profile-ns '' --time-budget 300 \
+        --skip-compile --skip-eager --profile-ns '' --time-budget 280 \
         --json '$OUT/issue16_engine.json'; \
         python3 perf/bench_decode_parts.py --points 1x1024 1x4096 1x16384 16x1024 16x4096 \
-        16x16384 64x1024 64x4096 64x16384 128x1024 128x4096 128x16384 \
-        --fp8-forms regs4 regs5 q1 regs4q1"
+        16x16384 64x1024 64x4096 64x16384 128x1024 128x4096 128x16384 --fp8-forms conv regs5; \
+        python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
+        --fp8-forms conv regs5"
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
