@@ -85,7 +85,10 @@ class EngineProcess:
         )
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._send_lock = threading.Lock()
+        # NOTE: messages to the child go through a queue and a sender thread, so that no
+        # caller blocks on a child that stopped reading (a full socket): the stub's response
+        # thread, which aborts, would stop every stream, and shutdown would never get to kill.
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._callbacks: dict[str, Callback] = {}
         self._lock = threading.Lock()  # guards _callbacks and _gone
         self._gone: str | None = None  # why the child is no longer usable
@@ -116,6 +119,8 @@ class EngineProcess:
         self._stats: EngineStats = info["stats"]
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._write, name="engine-sender", daemon=True)
+        self._sender.start()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -127,10 +132,12 @@ class EngineProcess:
         with self._lock:
             if self._gone is not None:
                 raise EngineProcessError(self._gone)
-            if request_id in self._callbacks:
-                callback(_failed(request_id, f"request id {request_id!r} is already running"))
-                return
-            self._callbacks[request_id] = callback
+            duplicate = request_id in self._callbacks
+            if not duplicate:
+                self._callbacks[request_id] = callback
+        if duplicate:  # (outside the lock: the callback may add a request itself)
+            _call(callback, _failed(request_id, f"request id {request_id!r} is already running"))
+            return
         self._send(("add", request_id, ids, params))
 
     def abort(self, request_id: str) -> None:
@@ -151,16 +158,26 @@ class EngineProcess:
             logger.warning("the engine's process did not stop within %.0f s; killing it", timeout)
             self._proc.kill()
             self._proc.wait()
-        self._reader.join(timeout)
+        self._outbox.put(None)  # a send blocked on the killed child has failed by now
+        self._sender.join(timeout)
+        if threading.current_thread() is not self._reader:  # (on_died, a callback: no join)
+            self._reader.join(timeout)
         self._conn.close()
 
     # ---- internals ---------------------------------------------------------------------------
     def _send(self, message: tuple[Any, ...]) -> None:
-        try:
-            with self._send_lock:
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """The sender thread: the queued messages to the child, in order, until shutdown."""
+        broken = False
+        while (message := self._outbox.get()) is not None:
+            if broken:
+                continue  # the child is gone: the reader reports it
+            try:
                 self._conn.send(message)
-        except OSError:
-            pass  # the child is gone: the reader reports it
+            except OSError:
+                broken = True
 
     def _read(self) -> None:
         while True:

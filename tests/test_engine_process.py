@@ -125,6 +125,23 @@ def test_a_failing_callback_leaves_the_other_requests_served(engine: EngineProce
     assert ok.wait().error is None
 
 
+def test_a_callback_that_adds_a_request_on_a_duplicate_id(engine: EngineProcess) -> None:
+    """The duplicate-id refusal runs its callback outside the engine's lock: a callback that
+    retries under another id does not deadlock its thread (nor, later, the reader)."""
+    first = Collector()
+    engine.add_request("twice", "count", SamplingParams(max_tokens=40, ignore_eos=True), first)
+    retried = Collector()
+
+    def retry(out: RequestOutput) -> None:
+        engine.add_request("twice-2", "again", GREEDY, retried)
+
+    adder = threading.Thread(target=engine.add_request, args=("twice", "again", GREEDY, retry))
+    adder.start()
+    adder.join(30)
+    assert not adder.is_alive(), "add_request deadlocked in its own callback"
+    assert retried.wait().error is None and first.wait().error is None
+
+
 def test_start_up_errors_reach_the_caller(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config.json"):
         EngineProcess(_config(str(tmp_path)))
@@ -203,3 +220,51 @@ def test_a_context_longer_than_the_model_s_positions_is_refused(default_model: s
         assert llm.core.max_context_len == 256  # capped at the pool, as before
     finally:
         llm.shutdown()
+
+
+def test_a_child_that_stops_reading_blocks_no_caller(tiny_llama: str) -> None:
+    """A child alive but not reading (here stopped): once the socket is full, add_request and
+    abort still return (the sends are queued for a sender thread), and shutdown kills it after
+    its timeout instead of waiting on a send."""
+    ep = EngineProcess(_config(tiny_llama))
+    os.kill(ep.pid, signal.SIGSTOP)
+    try:
+        prompt = list(range(10, 400))
+        calls = threading.Thread(
+            target=lambda: [
+                (ep.add_request(f"r{i}", prompt, GREEDY, Collector()), ep.abort(f"r{i}"))
+                for i in range(300)  # far more than the socket holds
+            ],
+            daemon=True,
+        )
+        calls.start()
+        calls.join(30)
+        assert not calls.is_alive(), "add_request or abort blocked on the stopped child"
+        stopper = threading.Thread(target=ep.shutdown, kwargs={"timeout": 2.0}, daemon=True)
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive(), "shutdown blocked on the stopped child"
+        assert _gone(ep.pid, 5)
+    finally:
+        if not _gone(ep.pid, 0.1):
+            os.kill(ep.pid, signal.SIGKILL)
+
+
+def test_shutdown_from_a_callback(tiny_llama: str) -> None:
+    """shutdown() called on the reader thread (a final delta's callback, or on_died) stops
+    the child and closes the connection instead of failing to join its own thread."""
+    ep = EngineProcess(_config(tiny_llama))
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def stop_on_final(out: RequestOutput) -> None:
+        if out.finished:
+            try:
+                ep.shutdown()
+            except BaseException as e:  # noqa: BLE001 (what the test looks for)
+                errors.append(e)
+            done.set()
+
+    ep.add_request("a", "hello", SamplingParams(max_tokens=2), stop_on_final)
+    assert done.wait(60) and not errors, errors
+    assert _gone(ep.pid, 5) and ep._conn.closed

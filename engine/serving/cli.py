@@ -20,7 +20,7 @@ from engine.serving.install import (
     has_nvidia_gpu,
     libpython_dirs,
 )
-from engine.serving.lifecycle import GRACE_ENV, grace_from_env
+from engine.serving.lifecycle import GRACE_ENV, grace_from_env, parse_grace
 from engine.serving.process import Server, start_server
 from engine.serving.supervisor import KILL_MARGIN_S, Supervisor
 
@@ -36,16 +36,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Arguments after `--` go to tritonserver unchanged.",
     )
     parser.add_argument("--model-repository", type=Path, default=_default_repository())
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--http-port", type=_port, default=8000)
+    parser.add_argument("--grpc-port", type=_port, default=8001)
+    parser.add_argument("--metrics-port", type=_port, default=8002)
     parser.add_argument(
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the model to load"
     )
     parser.add_argument(
         "--shutdown-grace",
-        type=float,
-        default=grace_from_env(),
+        type=_grace,
+        default=None,
         help="on SIGTERM/Ctrl-C, seconds in-flight requests may still run before they are ended "
         f"with a 'server shutting down' error (default: ${GRACE_ENV} or 10)",
     )
@@ -54,6 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    ports = (args.http_port, args.grpc_port, args.metrics_port)
+    if len(set(ports)) < len(ports):
+        parser.error(f"--http-port, --grpc-port and --metrics-port must differ: {ports}")
+    if args.shutdown_grace is None:  # the flag overrides the variable, so check it only here
+        try:
+            args.shutdown_grace = grace_from_env()
+        except ValueError as e:
+            parser.error(str(e))
 
     try:
         install = find_tritonserver()
@@ -103,6 +111,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a port in use
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: a TCP port is 1-65535")
+    return port
+
+
+def _grace(text: str) -> float:
+    try:
+        return parse_grace(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
 
 
 def _relay(lines: IO[bytes]) -> None:

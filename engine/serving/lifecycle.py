@@ -16,6 +16,7 @@ otherwise lingers, ignoring SIGTERM, with the KV cache and the model's memory.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import select
@@ -36,11 +37,19 @@ def grace_from_env(environ: Mapping[str, str] | None = None) -> float:
     if not raw:
         return DEFAULT_GRACE_S
     try:
+        return parse_grace(raw)
+    except ValueError as e:
+        raise ValueError(f"{GRACE_ENV}={raw!r}: {e}") from None
+
+
+def parse_grace(raw: str) -> float:
+    """A grace period in seconds: a finite number >= 0 (nan would never end a drain)."""
+    try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{GRACE_ENV}={raw!r}: expected a number of seconds") from None
-    if value < 0:
-        raise ValueError(f"{GRACE_ENV}={raw!r}: must be >= 0")
+        raise ValueError("expected a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("must be a finite number of seconds >= 0")
     return value
 
 

@@ -416,6 +416,46 @@ def test_grace_from_env() -> None:
     assert grace_from_env({"LLM_SHUTDOWN_GRACE_S": "2.5"}) == 2.5
     with pytest.raises(ValueError, match="LLM_SHUTDOWN_GRACE_S"):
         grace_from_env({"LLM_SHUTDOWN_GRACE_S": "soon"})
+    for bad in ("nan", "inf", "-1"):  # nan would never end a drain
+        with pytest.raises(ValueError, match="finite number of seconds >= 0"):
+            grace_from_env({"LLM_SHUTDOWN_GRACE_S": bad})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--http-port", "70000"],
+        ["--grpc-port", "0"],
+        ["--http-port", "9000", "--metrics-port", "9000"],
+        ["--shutdown-grace", "nan"],
+        ["--shutdown-grace", "-5"],
+    ],
+)
+def test_the_launcher_refuses_bad_ports_and_grace(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clean usage error (exit 2) before anything starts, not a traceback from bind() or
+    int(nan), nor a grace every model stub would refuse later."""
+    from engine.serving.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_a_bad_grace_variable_is_a_usage_error_unless_the_flag_overrides_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import engine.serving.cli as cli
+
+    monkeypatch.setenv("LLM_SHUTDOWN_GRACE_S", "abc")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2 and "LLM_SHUTDOWN_GRACE_S" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "find_tritonserver", lambda: None)  # stop right after the parse
+    assert cli.main(["--shutdown-grace", "5"]) == 2
+    assert "tritonserver not found" in capsys.readouterr().err
 
 
 def run_python(code: str, timeout: float = 30) -> str:
