@@ -4,6 +4,9 @@ dies between the model's load and the launcher's first look at the ready server 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
 
 from engine.serving.process import Stub
 from engine.serving.supervisor import Supervisor
@@ -34,7 +37,10 @@ class FakeServer:
             self.on_check()
         return self.deaths.pop(0) if self.deaths else []
 
+    asked: list[str] = field(default_factory=list)  # the readiness paths polled
+
     def is_ready(self, path: str = "/v2/health/ready") -> bool:
+        self.asked.append(path)
         return True
 
     def kill(self) -> None:
@@ -82,3 +88,36 @@ def test_a_healthy_stub_is_left_alone() -> None:
     supervisor = Supervisor(lambda: server, 0.0, 5.0, log=logs.append)  # type: ignore[arg-type,return-value]
     assert supervisor.run() == 0
     assert not any("restarting" in line for line in logs), logs
+
+
+def test_ready_means_the_model_is_ready() -> None:
+    """The server answers /v2/health/ready with no model loaded (an empty repository, or
+    --model-control-mode=explicit): the launcher waits for the llm model itself."""
+    logs: list[str] = []
+    supervisor: Supervisor
+
+    def stop() -> None:
+        supervisor.signals += 1
+
+    server = FakeServer(deaths=[])
+    supervisor = Supervisor(
+        lambda: server,
+        0.0,
+        5.0,
+        on_ready=lambda srv: stop(),
+        log=logs.append,  # type: ignore[arg-type,return-value]
+    )
+    assert supervisor.run() == 0
+    assert server.asked and set(server.asked) == {"/v2/models/llm/ready"}, server.asked
+
+
+def test_the_launcher_refuses_a_repository_without_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import types
+
+    import engine.serving.cli as cli
+
+    monkeypatch.setattr(cli, "find_tritonserver", lambda: types.SimpleNamespace(binary="ts"))
+    assert cli.main(["--model-repository", str(tmp_path)]) == 2
+    assert "no llm/config.pbtxt" in capsys.readouterr().err

@@ -76,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tritonserver: {install.binary}", flush=True)
     if args.check:
         return _check(install, args.model_repository)
+    if not (args.model_repository / "llm" / "config.pbtxt").is_file():
+        print(f"error: {args.model_repository}: no llm/config.pbtxt", file=sys.stderr)
+        return 2
     if not any(a.startswith("--exit-timeout-secs") for a in extra):
         # Above the launcher's own limit, so Triton's exit-timeout path (which crashes and hangs
         # in 2.51 with streams in flight) is never taken; the launcher kills first.

@@ -26,6 +26,9 @@ from engine.serving.process import Server, Stub
 
 KILL_MARGIN_S = 5.0  # after the grace period, for the model to unload and the server to exit
 POLL_S = 0.25
+# Ready means the model is: the server alone answers ready with no model loaded (an empty
+# repository, or one loaded on request with --model-control-mode=explicit).
+MODEL_READY_PATH = "/v2/models/llm/ready"
 # A server that keeps failing is not restarted forever: the launcher exits 1 instead, for
 # whatever runs it (a container runtime) to act.
 MAX_FAILURES, FAILURE_WINDOW_S = 3, 600.0
@@ -108,7 +111,7 @@ class Supervisor:
             # before the server answers ready, so one that dies right after is seen to die
             # (its death is kept for the first `_failure` check).
             self._dead += server.check_stubs()
-            if server.is_ready():
+            if server.is_ready(MODEL_READY_PATH):
                 return True
             if time.monotonic() >= deadline:
                 self._log(f"llm-serve: tritonserver was not ready after {self.ready_timeout:.0f} s")
