@@ -134,14 +134,15 @@ def _relay(lines: IO[bytes]) -> None:
     """Copy the server's output to ours, less CPU_NOISE, until it ends. Keeps reading when our
     stdout is gone (`| head`): a full pipe would block the server's logging."""
     out: IO[bytes] | None = sys.stdout.buffer
-    for line in lines:
-        if out is None or any(noise in line for noise in CPU_NOISE):
-            continue
-        try:
-            out.write(line)
-            out.flush()
-        except OSError:
-            out = None
+    with lines:  # closed at the server's end: a restarted server's old pipe is not kept open
+        for line in lines:
+            if out is None or any(noise in line for noise in CPU_NOISE):
+                continue
+            try:
+                out.write(line)
+                out.flush()
+            except OSError:
+                out = None
 
 
 def _log(message: str) -> None:
