@@ -19,7 +19,12 @@ from typing import NamedTuple
 import torch
 
 from engine.kernels.argmax import argmax_rows
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+# The largest logit a repetition penalty leaves (far above any model's): finite in float32 once
+# divided by the smallest temperature that samples.
+PENALIZED_MAX = 1e30
+assert PENALIZED_MAX / GREEDY_TEMPERATURE < torch.finfo(torch.float32).max
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -178,7 +183,10 @@ def apply_repetition_penalty(
     picked = logits[r_t, t_t]
     pen = penalties[r_t]
     out = logits.clone()
-    out[r_t, t_t] = torch.where(picked > 0, picked / pen, picked * pen)
+    # NOTE: a penalty near 0 turns a seen token's positive logit to inf (x / penalty), and a
+    # softmax over two infs is NaN. Held at PENALIZED_MAX, such tokens share the draw, and
+    # stay finite divided by any sampling temperature (>= GREEDY_TEMPERATURE).
+    out[r_t, t_t] = torch.where(picked > 0, picked / pen, picked * pen).clamp_(max=PENALIZED_MAX)
     return out
 
 
@@ -273,10 +281,7 @@ class Sampler(torch.nn.Module):
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         next_ids = first_argmax(logits)  # greedy rows keep this
         rows = host_to_device(info.sampled_rows, torch.int64, logits.device)
-        # NOTE: a repetition penalty near 0 turns a seen token's logit to inf (x / penalty), and
-        # softmax over two infs is NaN: held at float32's largest, such tokens share the draw.
-        scaled = (logits[rows] / info.temperatures[rows]).clamp_(max=torch.finfo(torch.float32).max)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(logits[rows] / info.temperatures[rows], dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = filter_probs(probs, info)
 
