@@ -22,7 +22,7 @@ from engine.serving.install import (
 )
 from engine.serving.lifecycle import GRACE_ENV, grace_from_env, parse_grace
 from engine.serving.process import Server, start_server
-from engine.serving.supervisor import KILL_MARGIN_S, Supervisor
+from engine.serving.supervisor import KILL_MARGIN_S, MODEL, Supervisor
 
 # Lines tritonserver prints on a machine without a GPU that mean nothing there (no flag hides
 # them; CPU_FLAGS in process.py avoid the others).
@@ -76,8 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tritonserver: {install.binary}", flush=True)
     if args.check:
         return _check(install, args.model_repository)
-    if not (args.model_repository / "llm" / "config.pbtxt").is_file():
-        print(f"error: {args.model_repository}: no llm/config.pbtxt", file=sys.stderr)
+    if not _has_model(args.model_repository):
+        print(f"error: {args.model_repository}: no {MODEL}/config.pbtxt", file=sys.stderr)
         return 2
     if not any(a.startswith("--exit-timeout-secs") for a in extra):
         # Above the launcher's own limit, so Triton's exit-timeout path (which crashes and hangs
@@ -154,12 +154,15 @@ def _default_repository() -> Path:
     return here if here.is_dir() else REPO_ROOT / "model_repository"
 
 
+def _has_model(repository: Path) -> bool:
+    return (repository / MODEL / "config.pbtxt").is_file()
+
+
 def _check(install: TritonInstall, repository: Path) -> int:
     """Print the pieces the server needs; non-zero when one is missing."""
-    ok = (repository / "llm" / "config.pbtxt").is_file()
-    print(
-        f"model repository: {repository.resolve()} ({'ok' if ok else 'missing llm/config.pbtxt'})"
-    )
+    ok = _has_model(repository)
+    state = "ok" if ok else f"missing {MODEL}/config.pbtxt"
+    print(f"model repository: {repository.resolve()} ({state})")
     if install.backend_dir is not None:
         stub = install.backend_dir / "python" / STUB_NAME
         print(f"backends: {install.backend_dir} (stub {'ok' if stub.is_file() else 'missing'})")
@@ -174,8 +177,8 @@ def _print_endpoints(server: Server) -> None:
         "\n".join(
             [
                 "",
-                "Triton is ready (model: llm)",
-                f"  HTTP     http://{server.http_url}   (POST /v2/models/llm/generate_stream)",
+                f"Triton is ready (model: {MODEL})",
+                f"  HTTP     http://{server.http_url}   (POST /v2/models/{MODEL}/generate_stream)",
                 f"  gRPC     {server.grpc_url}",
                 f"  metrics  {server.metrics_url}",
                 "Try:",

@@ -26,9 +26,10 @@ from engine.serving.process import Server, Stub
 
 KILL_MARGIN_S = 5.0  # after the grace period, for the model to unload and the server to exit
 POLL_S = 0.25
+MODEL = "llm"  # the served model: its folder in the repository and its name on the server
 # Ready means the model is: the server alone answers ready with no model loaded (an empty
 # repository, or one loaded on request with --model-control-mode=explicit).
-MODEL_READY_PATH = "/v2/models/llm/ready"
+MODEL_READY_PATH = f"/v2/models/{MODEL}/ready"
 # A server that keeps failing is not restarted forever: the launcher exits 1 instead, for
 # whatever runs it (a container runtime) to act.
 MAX_FAILURES, FAILURE_WINDOW_S = 3, 600.0
