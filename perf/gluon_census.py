@@ -40,6 +40,7 @@ PATTERNS = {
     "cp.async arrive": r"cp\.async\.mbarrier\.arrive",
     "mbarrier wait": r"mbarrier\.try_wait",
     "cvt e4m3x2": r"cvt\.rn\.f16x2\.e4m3x2",
+    "prmt": r"prmt\.b32",
     "setmaxnreg": r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+\d+",
     "local memory": r"(?:ld|st)\.local",
     "stmatrix": r"stmatrix\.sync\.aligned\.\w+",

@@ -392,15 +392,51 @@ def _combine_terms(sq, s_layout: gl.constexpr, HEADS: gl.constexpr):
     return qk
 
 
+# Two tokens' 4 e4m3 bytes of the same 4 latent columns ($4 the even token, $5 the odd one)
+# as four fp16 pairs, each a column's two tokens (as the PV wgmma's A fragment holds them):
+# PRMT pairs the bytes, then the conversion unit turns each pair.
+_PAIRS_CVT = gl.constexpr(
+    "{ .reg .b32 p, q; .reg .b16 pl, ph, ql, qh; "
+    "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
+    "mov.b32 {pl, ph}, p; mov.b32 {ql, qh}, q; "
+    "cvt.rn.f16x2.e4m3x2 $0, pl; cvt.rn.f16x2.e4m3x2 $1, ph; "
+    "cvt.rn.f16x2.e4m3x2 $2, ql; cvt.rn.f16x2.e4m3x2 $3, qh; }"
+)
+
+
+@gluon.jit
+def _v_pairs_f16(x):
+    """x [16 tokens, C] e4m3 (`_v_regs_layout`) in fp16 with each register a token pair of one
+    latent column, as the A fragment takes them: the bytes paired by PRMT before the
+    conversion (`_PAIRS_CVT`; converted first, every fp16 pair took a PRMT more: 32 PRMT a
+    thread a step against 16)."""
+    T: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    even, odd = gl.split(gl.permute(gl.reshape(x, [T // 2, 2, C]), (0, 2, 1)))
+    lo, hi = gl.inline_asm_elementwise(
+        asm=_PAIRS_CVT,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[even.to(gl.uint8, bitcast=True), odd.to(gl.uint8, bitcast=True)],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=4,
+    )
+    # lo[u, 4g + j] holds token 2u + (j & 1) of column 4g + (j >> 1), hi the columns 4g + 2
+    # and 4g + 3: axes (u, g, jh, jl, s) to (u, jl, g, s, jh).
+    y = gl.reshape(gl.join(lo, hi), [T // 2, C // 4, 2, 2, 2])
+    return gl.reshape(gl.permute(y, (0, 3, 1, 4, 2)), [T, C])
+
+
 @gluon.jit
 def _pv_regs_step(v_tile, k, p_s, acc, o_layout: gl.constexpr):
     """PV over tokens [k x V_STEP, (k + 1) x V_STEP) of the e4m3 slot v_tile [BLOCK_N, C],
-    V^T from registers (`_v_regs_layout`, `_v_operand`), issued (not waited for); returns the
-    accumulator's token and the A operand, which must stay alive until the wgmma is done."""
+    V^T from registers (`_v_regs_layout`, `_v_pairs_f16`, `_v_operand`), issued (not waited
+    for); returns the accumulator's token and the A operand, which must stay alive until the
+    wgmma is done."""
     C: gl.constexpr = v_tile.shape[1]
     x = v_tile.slice(k * V_STEP, V_STEP).load(_v_regs_layout(C))
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    a = gl.convert_layout(_v_operand(x.to(gl.float16)), a_layout)
+    a = gl.convert_layout(_v_operand(_v_pairs_f16(x)), a_layout)
     p_k = p_s.slice(k * V_STEP, V_STEP, dim=1).permute((1, 0))
     return warpgroup_mma(a, p_k, acc, is_async=True), a
 
@@ -432,28 +468,86 @@ def _pv_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
     return acc, a0, a1, a2, a3
 
 
+@triton.constexpr_function
+def _warp_rows_layout(heads: int) -> gl.DistributedLinearLayout:
+    """[4 warps' rows, heads] with every thread holding the 4 rows of the heads it holds in
+    the wgmma accumulator (m64n16: heads 2 x lane bits 0-1 + register bit 0 + 8 x register
+    bit 1)."""
+    assert heads == 16
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[4, heads],
+    )
+
+
 @gluon.jit
-def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start, end, scale,
-                  zero, acc, m_i, l_i, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    """The attention group's tiles with V^T from registers (`pv_regs`): per tile but the last,
-    QK of the next tile is issued, then this tile's PV (`_pv_regs_tile`, P from the softmax
-    before), and while PV runs on the tensor cores the next tile's softmax fills the other P
+def _tile_softmax(sq, valid, scale, m_i, buf, s_layout: gl.constexpr, HEADS: gl.constexpr):
+    """`_online_softmax` with the tile's max across the 4 warps through one barrier: each warp
+    reduces its own 16 tokens with shuffles, writes its [HEADS] maxima to buf [4, HEADS] (the
+    caller alternates two, so that the next tile's writes never meet this tile's reads) and,
+    after the barrier, every thread reads the 4 rows of its heads (Triton's reduce across
+    warps takes three barriers and two shared-memory round trips: 1.12-1.15x slower where the
+    kernel is held by its work, perf/RESULTS.md, run AW)."""
+    qk = _combine_terms(sq, s_layout, HEADS)
+    qk = gl.where(valid[:, None], qk * scale, float("-inf"))
+    w = gl.max(gl.reshape(qk, [4, BLOCK_N // 4, HEADS]), 1)
+    buf.store(w)
+    _barrier()
+    m_tile = gl.convert_layout(gl.max(buf.load(_warp_rows_layout(HEADS)), 0), m_i.type.layout)
+    m_new = gl.maximum(m_i, m_tile)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk - m_new[None, :])
+    return p, m_new, alpha
+
+
+@triton.constexpr_function
+def _s_layout(heads: int, qk_k: int) -> gl.NVMMADistributedLayout:
+    """Scores [BLOCK_N tokens, heads] as the QK wgmma (K = qk_k) of one warp group leaves them."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads, qk_k]
+    )
+
+
+@triton.constexpr_function
+def _o_layout(heads: int, pv_k: int) -> gl.NVMMADistributedLayout:
+    """The output [C, heads] as the PV wgmma (K = pv_k) of one warp group accumulates it."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads, pv_k]
+    )
+
+
+@gluon.jit
+def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, start, end,
+                  scale, zero, acc, m_i):  # fmt: skip
+    """The attention group's tiles with V^T from registers (`pv_regs`; P buffers p_s [2, HEADS,
+    BLOCK_N], the softmax's m_s [2, 4, HEADS]): per tile but the last, QK of the next tile is
+    issued, then this tile's PV (`_pv_regs_tile`, P from the softmax before), and while PV
+    runs on the tensor cores the next tile's softmax (`_tile_softmax`) fills the other P
     buffer; the last tile's PV follows the loop. All of a tile's wgmmas are waited for inside
     its iteration (a wgmma left in flight across the loop's back edge made ptxas serialize
-    every wgmma). A ring slot goes back to the loader once every warp has read its V (the last
-    one never: no tile follows it). An empty split's QK and PV run on a stale slot, their
-    results never stored."""
+    every wgmma). A ring slot goes back to the loader once every warp has read its V (the
+    last one never: no tile follows it). The running sums are kept per thread and summed
+    across the warps once, at the end. An empty split's QK and PV run on a stale slot, their
+    results never stored. Returns the accumulator, the running max and the sums."""
     HEADS: gl.constexpr = p_s.shape[1]
     STAGES: gl.constexpr = lat_ring.shape[0]
+    s_layout: gl.constexpr = _s_layout(HEADS, 32)
+    o_layout: gl.constexpr = _o_layout(HEADS, 16)
     n_tiles = _n_tiles(start, end)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    l_t = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
     mbarrier.wait(kv_ready.index(0), 0, pred=n_tiles > 0)
     fence_async_shared()
     sq = warpgroup_mma_wait(
         0, deps=(_issue_qk(lat_ring.index(0), pe_ring.index(0), q_s, q_pe_s, zero),)
     )
-    p, m_i, alpha = _online_softmax(sq, start + offs_t < end, scale, m_i, s_layout, HEADS)
-    l_i = l_i * alpha + gl.sum(p, 0)
+    p, m_i, alpha = _tile_softmax(
+        sq, start + offs_t < end, scale, m_i, m_s.index(0), s_layout, HEADS
+    )
+    l_t = l_t * alpha[None, :] + p
     p_s.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
     fence_async_shared()
     _barrier()
@@ -473,8 +567,10 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
         # QK (two groups, issued first) is done; PV's four may still run.
         sq = warpgroup_mma_wait(4, deps=(next_sq,))
         valid = start + (i + 1) * BLOCK_N + offs_t < end
-        p, m_i, alpha = _online_softmax(sq, valid, scale, m_i, s_layout, HEADS)
-        l_i = l_i * alpha + gl.sum(p, 0)
+        p, m_i, alpha = _tile_softmax(
+            sq, valid, scale, m_i, m_s.index((i + 1) % 2), s_layout, HEADS
+        )
+        l_t = l_t * alpha[None, :] + p
         p_s.index((i + 1) % 2).store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         _barrier()
@@ -484,7 +580,7 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start
         lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
     )
     acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
-    return acc, m_i, l_i
+    return acc, m_i, gl.sum(l_t, 0)
 
 
 @gluon.jit
@@ -494,7 +590,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
             MERGE_CHUNKS: gl.constexpr, MERGE_S_PAD: gl.constexpr,
-            USE_PDL: gl.constexpr, PV_REGS: gl.constexpr = False):  # fmt: skip
+            USE_PDL: gl.constexpr, PV_REGS: gl.constexpr, m_s):  # fmt: skip
     """One warp group: q in e4m3 (`_quantize_q`), then scores, online softmax and PV per tile;
     then the split's output (normalized, times the cache's scale) and log-sum-exp (log2
     units), as `store_split` writes them. PV runs in fp16 from the fp16 V ring, or over an
@@ -521,12 +617,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN or PV_REGS else v_ring.shape[1]
     CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     QK_K: gl.constexpr = 16 if SIXTEEN else 32  # K of the QK wgmma instruction
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, QK_K]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 32 if PV8 else 16]
-    )
+    s_layout: gl.constexpr = _s_layout(HEADS, QK_K)
+    o_layout: gl.constexpr = _o_layout(HEADS, 32 if PV8 else 16)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
     l_i = gl.zeros([HEADS], gl.float32, gl.SliceLayout(0, s_layout))
     acc = gl.zeros([C, HEADS], gl.float32, o_layout)
@@ -547,8 +639,8 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     # wgmma (the async proxy): a proxy fence after each wait.
     if PV_REGS:
         acc, m_i, l_i = _pv_regs_loop(
-            lat_ring, pe_ring, q_s, q_pe_s, p_s, kv_ready, kv_empty, start, end, scale, zero,
-            acc, m_i, l_i, s_layout, o_layout,
+            lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, start, end, scale,
+            zero, acc, m_i,
         )  # fmt: skip
     else:
         QK_AHEAD: gl.constexpr = not SIXTEEN
@@ -823,6 +915,11 @@ def mla_decode_fp8_ws_kernel(
         q_pe_s = gl.allocate_shared_memory(gl.float8e4nv, [Q_ROWS, R], e4m3_pe)
         lat_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, C], e4m3_128)
         pe_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, R], e4m3_pe)
+    # The register-V form's softmax buffers (`_tile_softmax`); 512 bytes, allocated in every
+    # form so that the partitions' argument lists stay the same.
+    m_s = gl.allocate_shared_memory(
+        gl.float32, [2, 4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    )
     if SIXTEEN:
         p_s = gl.allocate_shared_memory(kv_t, [HEADS, BLOCK_N], f16_128)
         v_ring = lat_ring
@@ -868,7 +965,7 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS, m_s,
                     ),
                 ),
                 (
@@ -893,7 +990,7 @@ def mla_decode_fp8_ws_kernel(
                         mid_lse_ptr, b, split, hg, start, end, num_heads,
                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
                         out_ptr, counter_ptr, stride_ob, stride_oh, num_splits,
-                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS,
+                        MERGE_CHUNKS, MERGE_S_PAD, USE_PDL, PV_REGS, m_s,
                     ),
                 ),
                 (
