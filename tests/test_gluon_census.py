@@ -199,3 +199,15 @@ def test_gluon_wide_fp8_kernel_compiles_for_hopper(page: int) -> None:
     assert counts["wgmma e4m3"] == 18 and "m64n64k32" in report, report
     assert counts["wgmma f16"] == 2 * 4 and "m64n256k16" in report, report
     assert counts["wgmma bf16"] == 0 and counts["cvt e4m3x2"] >= 128, report
+
+
+def test_tile_clock_patch_applies() -> None:
+    """perf/tile_clock.patch (the register-V kernel's clock stamps) still applies to the kernel
+    as committed, so that perf/tile_clock.py can run on a scratch tree."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(
+        ["git", "apply", "--check", "perf/tile_clock.patch"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
