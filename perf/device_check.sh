@@ -13,7 +13,8 @@
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128 and issue16 only when named)
+#                                                  heads128, issue16 and tile_clock only when
+#                                                  named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -90,6 +91,13 @@ if [[ " $STEPS " == *" issue16 "* ]]; then
         16x16384 64x1024 64x4096 64x16384 128x1024 128x4096 128x16384 --fp8-forms conv regs5; \
         python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
         --fp8-forms conv regs5"
+fi
+# Where the register-V FP8 kernel's tile cycles go (perf/tile_clock.py, run AY): the clock
+# stamps' patch applied for the step and taken back after it. Only when named.
+if [[ " $STEPS " == *" tile_clock "* ]]; then
+    git apply perf/tile_clock.patch \
+        && step tile_clock 120 python3 perf/tile_clock.py
+    git checkout -q engine perf/gluon_census.py
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \
