@@ -96,8 +96,8 @@ fi
 # stamps' patch applied for the step and taken back after it. Only when named.
 if [[ " $STEPS " == *" tile_clock "* ]]; then
     git apply perf/tile_clock.patch \
-        && step tile_clock 120 python3 perf/tile_clock.py
-    git checkout -q engine perf/gluon_census.py
+        && step tile_clock 120 python3 perf/tile_clock.py \
+        && git apply -R perf/tile_clock.patch
 fi
 if [[ " $STEPS " == *" heads128 "* ]]; then
     step heads128 540 python3 perf/bench_mla_heads.py --requests 16 64 --kv auto fp8_e4m3 \

@@ -8,7 +8,7 @@ stamps cost registers (about 100 bytes of spills under Triton 3.6), so the call'
 beside them is taken with the stamps off. Apply the patch on a scratch tree, on a Hopper GPU:
 
     git apply perf/tile_clock.patch && PYTHONPATH=. python3 perf/tile_clock.py
-    git checkout engine perf/gluon_census.py
+    git apply -R perf/tile_clock.patch
 
 Per point (batch x ctx, the cache from HBM or held in L2 as in `bench_decode_parts.py --l2`):
 mean cycles a tile (the first two and last two tiles of each program left out) and the
@@ -28,8 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import bench_decode_parts  # noqa: E402
 import bench_kernels  # noqa: E402
 
+from engine.kernels import mla_decode as md  # noqa: E402
 from engine.kernels import mla_decode_gluon as g  # noqa: E402
 from engine.kernels.utils import choose_num_kv_splits  # noqa: E402
 
@@ -49,15 +51,23 @@ def run(batch: int, ctx: int, l2: bool, stages: int) -> str:
         p.req_pool_indices.zero_()
     c, r = bench_kernels.C, bench_kernels.R
     q, kv = p.q(HEADS), p.cache8.view(-1, c + r)
-    splits = choose_num_kv_splits(batch, HEADS, ctx, HEADS, 64, waves=1.0, min_tokens_per_split=128)
+    # The engine's pick for this point, as the register-V form with `stages` ring tiles, and
+    # the split count `mla_decode` takes for it.
+    cfg = bench_decode_parts.form_config(md.gluon_config(HEADS, batch, ctx), f"regs{stages}")
+    splits = choose_num_kv_splits(
+        batch, HEADS, ctx, cfg.gluon_heads, g.BLOCK_N.value, waves=cfg.waves,
+        min_tokens_per_split=cfg.min_split_tokens,
+    )  # fmt: skip
     mid_o = torch.empty(batch, HEADS, splits, c, dtype=torch.float32, device="cuda")
     mid_lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device="cuda")
     programs, tiles = batch * splits, g.DBG_TILES.value
+    qk_scale = (c + r) ** -0.5 * md._LOG2E
 
     def call() -> None:
         g.launch_stage1(
-            q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens, mid_o, mid_lse, 0.1,
-            p.k_scale, 1, stages, 1, 64, True, pv_regs=True,
+            q, kv, p.req_to_token, p.req_pool_indices, p.seq_lens, mid_o, mid_lse, qk_scale,
+            p.k_scale, 1, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual,
+            cfg.gluon_heads, cfg.pv_e4m3, pv_regs=cfg.pv_regs,
         )  # fmt: skip
 
     g.TIMING = torch.zeros(programs * tiles, 16, dtype=torch.int64, device="cuda")
@@ -67,7 +77,7 @@ def run(batch: int, ctx: int, l2: bool, stages: int) -> str:
     t = g.TIMING.view(programs, tiles, 16).cpu().double()
     g.TIMING = None
     us = bench_kernels.time_graph(call, 20, 10) * 1e6
-    n = ctx // splits // 64
+    n = ctx // splits // g.BLOCK_N.value
     assert n <= tiles, f"{n} tiles a program; the patch stamps {tiles}"
     cur, nxt = t[:, 2 : n - 2], t[:, 3 : n - 1]
     at = lambda k: nxt[..., 0] if k < 0 else cur[..., k]  # noqa: E731
