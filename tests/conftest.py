@@ -28,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
 
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests run: the GPU where there is one, else the CPU (Triton's interpreter).
+    Here rather than in tests/kernels, so that a pytest call naming files of both folders in
+    any order finds it."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     """The real default model, converted once (`make test` does it first; this lets pytest run
