@@ -13,8 +13,8 @@
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128, issue16 and tile_clock only when
-#                                                  named)
+#                                                  heads128, issue16, ids_ahead and tile_clock
+#                                                  only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -91,6 +91,19 @@ if [[ " $STEPS " == *" issue16 "* ]]; then
         16x16384 64x1024 64x4096 64x16384 128x1024 128x4096 128x16384 --fp8-forms conv regs5; \
         python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
         --fp8-forms conv regs5"
+fi
+# The loader reading slot ids two tiles ahead (`slots_ahead` 2; on an H200 the FP8 call at page
+# size 1 took 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K, run BA): its GPU tests,
+# then the engine's FP8 call with and without it (a2: the engine's form; regs4a2, conva2: the
+# register-V and converter forms), then the kernel table at those points for the paged
+# figures in the same run. Only when named (`bash perf/device_check.sh ids_ahead`).
+if [[ " $STEPS " == *" ids_ahead "* ]]; then
+    step ids_ahead 420 bash -c "python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_mla_decode_gluon.py -k 'two_tiles or pv_regs or paged'; \
+        python3 perf/bench_decode_parts.py --points 16x4096 64x4096 128x4096 16x16384 \
+        64x16384 128x16384 --fp8-forms a2 regs4a2 conv conva2; \
+        python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --batches 16 64 128 \
+        --contexts 4096 16384 --out '$OUT/ids_ahead'"
 fi
 # Where the register-V FP8 kernel's tile cycles go (perf/tile_clock.py, run AY): the clock
 # stamps' patch applied for the step and taken back after it. Only when named.

@@ -117,6 +117,21 @@ def test_gluon_pv_regs_compiles_for_hopper() -> None:
     assert "register-V load conflicts: 0" in report, report
 
 
+@pytest.mark.parametrize(
+    "flags", [_flags(gluon_config(16, 128, 16384)), _flags(gluon_config(16, 16, 4096))]
+)
+def test_gluon_slot_ids_two_tiles_ahead_compile_for_hopper(flags: list[str]) -> None:
+    """`slots_ahead` 2 at page size 1 (the register-V form and the converter form): the loader
+    holds two int32 ids a lane for each of the next two tiles and spreads a tile's over its
+    copies' layout through a little shared memory; it spills less than one tile ahead with
+    int64 ids (Triton 3.9: 12 bytes against 44, 0 against 16; 3.6: none), and the same
+    copies and wgmmas go out."""
+    counts, report = _census([*flags, "--ids-ahead", "2"], pdl_partitions=2, spill_limit=16)
+    base, _ = _census(flags, pdl_partitions=2, spill_limit=80)
+    for name in ("cp.async 16B", "wgmma e4m3", "wgmma f16", "cvt e4m3x2"):
+        assert counts[name] == base[name], (name, report)
+
+
 @pytest.mark.parametrize("splits", [2, 8, 33, 64])
 def test_gluon_merge_inside_compiles_for_hopper(splits: int) -> None:
     """The split merge inside the kernel: one thread publishes its split with a release

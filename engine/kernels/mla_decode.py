@@ -447,6 +447,8 @@ class MLADecodeConfig(NamedTuple):
     min_split_tokens: int = 256
     # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
     # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
+    # 2: the 16-head Gluon kernel's loader at page size 1 reads them two tiles ahead (opt-in,
+    # not yet timed; the Triton kernel takes it as 1).
     slots_ahead: int | None = None
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.
@@ -698,6 +700,7 @@ def _launch(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
             cfg.pv_e4m3, out if counters is not None else None, counters, cfg.pv_regs,
+            2 if cfg.slots_ahead == 2 else 1,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

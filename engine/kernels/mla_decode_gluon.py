@@ -237,16 +237,27 @@ def _slots(table_row, n, offs, end, PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.cons
 
 
 @gluon.jit
+def _token_slot_ids(table_row, n, end):
+    """Page size 1: the slot ids of the tile at n as the table holds them (int32; 0 past
+    `end`), two a lane: 2 registers where the copies' layout (16 a lane) takes 16."""
+    offs = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0]))
+    pos = n + offs
+    return gl.load(table_row + pos, mask=pos < end, other=0)
+
+
+@gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
-            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+            PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr,
+            IDS_AHEAD: gl.constexpr = 1):  # fmt: skip
     """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
     have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
 
     Eight lanes take a row's 128 bytes, 4 rows a step (against lane pairs on 32 bytes, 16 rows
     a step: 1.10x the loads' throughput on an H200, run AJ); a lane holds 16 of the tile's
-    slot ids, read one tile ahead so that the copies never wait on them. The rings may hold
-    e4m3 or 16-bit elements (16 bytes a copy either way). The first tile's slot ids (the step's
-    inputs) are read before the PDL wait, the rows after it."""
+    slot ids, read one tile ahead so that the copies never wait on them (at page size 1 with
+    IDS_AHEAD 2, two tiles ahead, two int32 ids a lane until their tile spreads them). The
+    rings may hold e4m3 or 16-bit elements (16 bytes a copy either way). The first tiles' slot
+    ids (the step's inputs) are read before the PDL wait, the rows after it."""
     C: gl.constexpr = lat_ring.shape[2]
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
@@ -255,6 +266,39 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
+    if IDS_AHEAD == 2 and PAGE_SIZE == 1:
+        # NOTE: on an H200 the FP8 tile at page size 1 took 1.04-1.09x the paged one at batch
+        # 64-128, ctx 4K-16K (run BA), where bf16 tiles (twice the bytes, twice the time) did
+        # not: the one-tile-ahead id load may not be back within an FP8 tile's time there.
+        ids = _token_slot_ids(table_row, start, end)
+        ids_next = _token_slot_ids(table_row, start + BLOCK_N, end)
+        _pdl_wait(USE_PDL)
+        for i in range(_n_tiles(start, end)):
+            s = i % STAGES
+            n = start + i * BLOCK_N
+            ids_after = _token_slot_ids(table_row, n + 2 * BLOCK_N, end)
+            mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mask = n + offs_t < end
+            slot = gl.convert_layout(ids, offs_t.type.layout).to(gl.int64)
+            rows = kv_ptr + slot[:, None] * stride_kv
+            _async_load(lat_ring.index(s), rows + offs_c[None, :], mask=mask[:, None])
+            _async_load(pe_ring.index(s), rows + offs_r[None, :], mask=mask[:, None])
+            async_copy.mbarrier_arrive(kv_ready.index(s), increment_count=False)
+            ids = ids_next
+            ids_next = ids_after
+    else:
+        _loader_one_ahead(
+            kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
+            offs_t, offs_c, offs_r, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _loader_one_ahead(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
+                      kv_empty, offs_t, offs_c, offs_r, PAGE_SIZE: gl.constexpr,
+                      SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr):  # fmt: skip
+    """`_loader`'s loop with each tile's slot ids read one tile ahead (as int64)."""
+    STAGES: gl.constexpr = lat_ring.shape[0]
     slot, mask = _slots(table_row, start, offs_t, end, PAGE_SIZE, SLOT_TABLE)
     _pdl_wait(USE_PDL)
     for i in range(_n_tiles(start, end)):
@@ -886,7 +930,7 @@ def mla_decode_fp8_ws_kernel(
     HAS_ROW_IDX: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     PV_E4M3: gl.constexpr = False, MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1,
-    USE_PDL: gl.constexpr = False, PV_REGS: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, PV_REGS: gl.constexpr = False, IDS_AHEAD: gl.constexpr = 1,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -972,7 +1016,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD,
                     ),
                 ),
             ],
@@ -1001,7 +1045,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD,
                     ),
                 ),
             ],
@@ -1068,6 +1112,7 @@ def launch_stage1(
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     pv_regs: bool = False,
+    ids_ahead: int = 1,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
@@ -1076,7 +1121,8 @@ def launch_stage1(
     e4m3 V (v_stages slots of a whole tile). With `out` [B, H, C] and `counters`
     (`merge_counters`) the splits are merged inside the kernel into `out` (`_merge_here`; the
     caller makes sure the grid fits the SMs). `pv_regs` (e4m3, 16 heads): PV with V^T read into
-    the attention group's registers, no converter and no V ring (v_stages, v_rows unused)."""
+    the attention group's registers, no converter and no V ring (v_stages, v_rows unused).
+    `ids_ahead` 2 (page size 1): the loader reads slot ids two tiles ahead instead of one."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -1091,6 +1137,7 @@ def launch_stage1(
         k_scale, v_stages, v_rows, q_residual, pv_e4m3 = mid_lse, 1, BLOCK_N.value, False, False
         pv_regs = False
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
+    assert ids_ahead in (1, 2), f"slot ids are read 1 or 2 tiles ahead, not {ids_ahead}"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     if pv_regs:
         # NOTE: the ring's slots, q and P; 5 slots of a 512 latent take 200 KB.
@@ -1117,5 +1164,5 @@ def launch_stage1(
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
         STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
         PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks, MERGE_S_PAD=merge_s_pad, num_warps=4,
-        PV_REGS=pv_regs, pdl=True,
+        PV_REGS=pv_regs, IDS_AHEAD=ids_ahead, pdl=True,
     )  # fmt: skip

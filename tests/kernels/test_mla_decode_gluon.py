@@ -222,6 +222,35 @@ def test_gluon_pv_regs_wide_values(seq_lens: list[int], c: int) -> None:
     assert _rel_err(out, base) < 1e-3
 
 
+@pytest.mark.parametrize(
+    "seq_lens,splits,form",
+    [
+        ([1], None, "regs"),  # one tile: the ids of two tiles past the end, all masked
+        ([37, 64, 65, 129], 1, "regs"),  # tile edges; 2-3 tiles a request
+        ([5, 1000, 17, 300], None, "conv"),  # the converter form's loader is the same
+        ([4100, 90], 2, "regs"),  # the ring wraps many times
+        ([700, 90], 3, "bf16"),  # a bf16 pool (no converter)
+    ],
+)
+def test_gluon_slot_ids_two_tiles_ahead(seq_lens: list[int], splits: int | None, form: str) -> None:
+    """`slots_ahead` 2 (the loader reads the slot ids two tiles ahead, two a lane): the same
+    rows into the same ring slots as one tile ahead, so the same output bit for bit."""
+    q, kv, req_to_token, rows, lens, k_scale = _pool(seq_lens, 16, seed=3, fp8=form != "bf16")
+    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    if form == "bf16":
+        k_scale, cfg = None, BF16_16
+    else:
+        cfg = _gluon(4, 1)._replace(pv_regs=True) if form == "regs" else _gluon(3, 2)
+    one = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
+    two = mla_decode(
+        *args, k_scale=k_scale, num_kv_splits=splits, config=cfg._replace(slots_ahead=2)
+    )
+    assert torch.isfinite(two.float()).all()
+    assert torch.equal(one, two)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    assert _rel_err(two, ref) < 2e-2
+
+
 def test_gluon_matches_triton_kernel() -> None:
     """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
