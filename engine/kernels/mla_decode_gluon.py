@@ -278,12 +278,11 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
             n = start + i * BLOCK_N
             ids_after = _token_slot_ids(table_row, n + 2 * BLOCK_N, end)
             mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mask = n + offs_t < end
             slot = gl.convert_layout(ids, offs_t.type.layout).to(gl.int64)
-            rows = kv_ptr + slot[:, None] * stride_kv
-            _async_load(lat_ring.index(s), rows + offs_c[None, :], mask=mask[:, None])
-            _async_load(pe_ring.index(s), rows + offs_r[None, :], mask=mask[:, None])
-            async_copy.mbarrier_arrive(kv_ready.index(s), increment_count=False)
+            _gather_tile(
+                kv_ptr + slot[:, None] * stride_kv, n + offs_t < end, offs_c, offs_r,
+                lat_ring.index(s), pe_ring.index(s), kv_ready.index(s),
+            )  # fmt: skip
             ids = ids_next
             ids_next = ids_after
     else:
@@ -291,6 +290,15 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
             kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
             offs_t, offs_c, offs_r, PAGE_SIZE, SLOT_TABLE, USE_PDL,
         )  # fmt: skip
+
+
+@gluon.jit
+def _gather_tile(rows, mask, offs_c, offs_r, lat_slot, pe_slot, ready):
+    """Copies of one tile's rows (`rows`: each row's address; masked rows zero-filled) into a
+    ring slot, arriving on its `ready` barrier."""
+    _async_load(lat_slot, rows + offs_c[None, :], mask=mask[:, None])
+    _async_load(pe_slot, rows + offs_r[None, :], mask=mask[:, None])
+    async_copy.mbarrier_arrive(ready, increment_count=False)
 
 
 @gluon.jit
@@ -306,10 +314,10 @@ def _loader_one_ahead(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_rin
         n = start + i * BLOCK_N
         next_slot, next_mask = _slots(table_row, n + BLOCK_N, offs_t, end, PAGE_SIZE, SLOT_TABLE)
         mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        rows = kv_ptr + slot[:, None] * stride_kv
-        _async_load(lat_ring.index(s), rows + offs_c[None, :], mask=mask[:, None])
-        _async_load(pe_ring.index(s), rows + offs_r[None, :], mask=mask[:, None])
-        async_copy.mbarrier_arrive(kv_ready.index(s), increment_count=False)
+        _gather_tile(
+            kv_ptr + slot[:, None] * stride_kv, mask, offs_c, offs_r, lat_ring.index(s),
+            pe_ring.index(s), kv_ready.index(s),
+        )  # fmt: skip
         slot = next_slot
         mask = next_mask
 
