@@ -13,8 +13,8 @@
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128, issue16, ids_ahead and tile_clock
-#                                                  only when named)
+#                                                  heads128, issue16, ids_ahead, fp8_prefill
+#                                                  and tile_clock only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -104,6 +104,17 @@ if [[ " $STEPS " == *" ids_ahead "* ]]; then
         64x16384 128x16384 --fp8-forms a2 regs4a2 conv conva2; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --batches 16 64 128 \
         --contexts 4096 16384 --out '$OUT/ids_ahead'"
+fi
+# FP8 KV's prefill over a cached prefix (2.7% slower than bf16's at 4K prompts, run BA, before
+# `kv_store.gather_dequant` read the pool's rows in one kernel): its test, then the engine over
+# FP8 and bf16 KV at 64 requests of 4,096-token prompts (processes fp8, bf16, bf16, fp8; the
+# tokenizer files carried). Only when named (`bash perf/device_check.sh fp8_prefill`).
+if [[ " $STEPS " == *" fp8_prefill "* ]]; then
+    step fp8_prefill 420 bash -c "python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_kv_store.py; \
+        python3 perf/bench_engine.py --kv fp8,bf16 --isolate --abba --ns 64 --prompt-len 4096 \
+        --max-tokens 128 --skip-compile --skip-eager --profile-ns '' --time-budget 190 \
+        --json '$OUT/fp8_prefill.json'"
 fi
 # Where the register-V FP8 kernel's tile cycles go (perf/tile_clock.py, run AY): the clock
 # stamps' patch applied for the step and taken back after it. Only when named.

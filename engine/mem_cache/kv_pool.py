@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from engine.kernels.fp8 import FP8_DTYPE, quantize_fp8
+from engine.kernels.kv_store import gather_dequant
 
 
 class KVPool:
@@ -52,10 +53,13 @@ class KVPool:
             return x.to(self.store_dtype)
         return quantize_fp8(x, scale)
 
-    def _dequantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _gather(
+        self, buffer: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """buffer[slots] in the compute dtype (an FP8 pool's rows times its scale)."""
         if self.store_dtype != FP8_DTYPE:
-            return x
-        return dequantize_fp8(x, scale, self.dtype)
+            return buffer[slots]
+        return gather_dequant(buffer, slots, scale, self.dtype)
 
 
 def _store_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
@@ -100,8 +104,8 @@ class MHATokenToKVPool(KVPool):
         self.v_buffer[layer_id][loc] = self._quantize(v, self.v_scale[layer_id])
 
     def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._dequantize(self.k_buffer[layer_id][slots], self.k_scale[layer_id])
-        v = self._dequantize(self.v_buffer[layer_id][slots], self.v_scale[layer_id])
+        k = self._gather(self.k_buffer[layer_id], slots, self.k_scale[layer_id])
+        v = self._gather(self.v_buffer[layer_id], slots, self.v_scale[layer_id])
         return k, v
 
     def bytes_per_token(self) -> int:
@@ -138,7 +142,7 @@ class MLATokenToKVPool(KVPool):
         self.kv_buffer[layer_id][loc] = self._quantize(k, self.k_scale[layer_id])
 
     def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._dequantize(self.kv_buffer[layer_id][slots], self.k_scale[layer_id])
+        k = self._gather(self.kv_buffer[layer_id], slots, self.k_scale[layer_id])
         return k, k[..., : self.kv_lora_rank]
 
     def bytes_per_token(self) -> int:

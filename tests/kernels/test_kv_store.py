@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.kv_store import store_kv, store_mla_kv
+from engine.kernels.fp8 import dequantize_fp8, quantize_fp8
+from engine.kernels.kv_store import gather_dequant, store_kv, store_mla_kv
 from engine.kernels.reference import store_kv_ref, store_mla_kv_ref
 
 C, R = 64, 16
@@ -55,3 +56,36 @@ def test_store_kv(fp8: bool, device: torch.device) -> None:
     store_kv_ref(kb_ref, vb_ref, loc, k, v, ks, vs)
     assert_fp8_store_equal(kb, kb_ref)
     assert_fp8_store_equal(vb, vb_ref)
+
+
+@pytest.mark.parametrize(
+    "shape,slots,dtype",
+    [
+        ((40, 1, C + R), [3, 17, 5, 39, 1, 0, 17], torch.bfloat16),  # an MLA pool, a slot twice
+        ((40, 1, 576), [[2, 9, 33], [4, 4, 38]], torch.bfloat16),  # V2's row width, 2-D slots
+        ((20, 2, 24), [4, 9, 1], torch.float16),  # an MHA pool's K: heads x head_dim a row
+        ((300, 1, 130), list(range(1, 300, 3)), torch.float32),  # rows past one program's 32
+        ((10, 1, 64), [], torch.bfloat16),  # nothing to read
+    ],
+)
+def test_gather_dequant(
+    shape: tuple[int, ...], slots: list, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The one-pass read of an FP8 pool (`gather_dequant`'s kernel) against the torch form
+    (`dequantize_fp8(buffer[slots], scale, dtype)`): the same bits."""
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    scale = torch.tensor([0.0173])
+    pool = quantize_fp8(torch.randn(shape, generator=g) * 4, scale)
+    pool, scale = pool.to(device), scale.to(device)
+    idx = torch.tensor(slots, dtype=torch.int64, device=device)
+    out = gather_dequant(pool, idx, scale, dtype, kernel=True)
+    ref = dequantize_fp8(pool[idx], scale, dtype)
+    assert out.shape == ref.shape == (*idx.shape, *shape[1:]) and out.dtype == dtype
+    if out.is_cuda or dtype != torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        # Triton's interpreter casts fp32 to bf16 by dropping the low 16 bits (the GPU rounds
+        # to nearest even, as torch does): each element is the product's truncation.
+        wide = (pool[idx].float() * scale).view(torch.int32)
+        assert torch.equal(out.view(torch.int16), (wide >> 16).to(torch.int16))
+    assert torch.equal(gather_dequant(pool, idx, scale, dtype, kernel=False), ref)
