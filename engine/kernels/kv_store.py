@@ -99,7 +99,7 @@ def store_kv(
     _store_rows(v_buffer.view(v_buffer.shape[0], -1), loc, v.reshape(v.shape[0], -1), v_scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # rows gathered: a batch-sized count, see launch.py
 def _gather_dequant_kernel(
     src_ptr,  # [num_slots, D] e4m3 (row stride given)
     slots_ptr,  # [N] slot ids

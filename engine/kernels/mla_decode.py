@@ -447,8 +447,9 @@ class MLADecodeConfig(NamedTuple):
     min_split_tokens: int = 256
     # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
     # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
-    # 2: the 16-head Gluon kernel's loader at page size 1 reads them two tiles ahead (opt-in,
-    # not yet timed; the Triton kernel takes it as 1).
+    # 2: the loader of the 16/32-head Gluon kernel (FP8 or bf16; not the 64-head one) reads
+    # them two tiles ahead at page size 1 (opt-in, not yet timed; with pages, in the wide
+    # kernel and in the Triton kernel it means 1).
     slots_ahead: int | None = None
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.

@@ -240,7 +240,8 @@ def test_gluon_slot_ids_two_tiles_ahead(seq_lens: list[int], splits: int | None,
     if form == "bf16":
         k_scale, cfg = None, BF16_16
     else:
-        cfg = _gluon(4, 1)._replace(pv_regs=True) if form == "regs" else _gluon(3, 2)
+        # (the converter form as the engine runs it: 3 e4m3 tiles, V in 3 slots of 32 tokens)
+        cfg = _gluon(4, 1)._replace(pv_regs=True) if form == "regs" else _gluon(3, 3, v_rows=32)
     one = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
     two = mla_decode(
         *args, k_scale=k_scale, num_kv_splits=splits, config=cfg._replace(slots_ahead=2)
