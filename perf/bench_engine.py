@@ -1153,6 +1153,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "at any size",
     )  # fmt: skip
     ap.add_argument(
+        "--slots-ahead2", action="store_true",
+        help="mla_decode.GLUON_SLOTS_AHEAD 2: the Gluon kernels' loader reads slot ids two "
+        "tiles ahead at page size 1",
+    )  # fmt: skip
+    ap.add_argument(
         "--merge-inside", action="store_true",
         help="mla_decode.GLUON_MERGE_INSIDE on: the split merge inside the 16-head Gluon kernel",
     )  # fmt: skip
@@ -1251,6 +1256,8 @@ def main(argv: list[str] | None = None) -> int:
         mla_decode.GLUON_MERGE_INSIDE = True
     if args.pv_regs:
         mla_decode.GLUON_PV_REGS_TOKENS = 0
+    if args.slots_ahead2:
+        mla_decode.GLUON_SLOTS_AHEAD = 2
     if args.isolate:
         res = run_isolated(args, argv)
         failed = [c for c in res.get("isolated", []) if c["returncode"] != 0]

@@ -13,8 +13,9 @@
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128, issue16, ids_ahead, fp8_prefill
-#                                                  and tile_clock only when named)
+#                                                  heads128, issue16, ids_ahead,
+#                                                  ids_ahead_engine, fp8_prefill and tile_clock
+#                                                  only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -107,6 +108,21 @@ if [[ " $STEPS " == *" ids_ahead "* ]]; then
         --fp8-forms a2 regs4q1; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --batches 16 64 128 \
         --contexts 4096 16384 --out '$OUT/ids_ahead'"
+fi
+# The engine with the loader reading slot ids two tiles ahead (`--slots-ahead2`) against the
+# default, FP8 KV at 64 and 256 requests, the two alternated twice (processes default, ahead,
+# ahead, default). Only when named (`bash perf/device_check.sh ids_ahead_engine`).
+if [[ " $STEPS " == *" ids_ahead_engine "* ]]; then
+    for run in 1 2 3 4; do
+        extra=""
+        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
+        echo "== ids_ahead_engine $run ${extra:-(default)}"
+        timeout 150 python3 perf/bench_engine.py --kv fp8 --ns 64,256 --skip-compile \
+            --skip-eager --profile-ns '' --time-budget 100 $extra \
+            --json "$OUT/ids_ahead_engine$run.json" > "$OUT/ids_ahead_engine$run.txt" 2>&1
+        echo "rc=$?"
+        tail -n 4 "$OUT/ids_ahead_engine$run.txt"
+    done
 fi
 # FP8 KV's prefill over a cached prefix (2.7% slower than bf16's at 4K prompts, run BA, before
 # `kv_store.gather_dequant` read the pool's rows in one kernel): its test, then the engine over

@@ -70,6 +70,11 @@ MERGE_INSIDE_MAX_SPLITS = 16
 # H200 (without PDL -1.2 to +1.6 us); the engine's decode 1.0-1.7% slower at 16 requests, ctx
 # 4K (runs AS, AT). `perf/bench_engine.py --merge-inside` turns it on for a run.
 GLUON_MERGE_INSIDE = False
+# 2: every launch of the 16/32-head Gluon kernel at page size 1 reads slot ids two tiles ahead
+# (`MLADecodeConfig.slots_ahead` 2 for all); `perf/bench_engine.py --slots-ahead2` sets it for
+# a run. Not yet timed (the H200's FP8 call at page size 1 was 1.04-1.09x the paged one at
+# batch 64-128, ctx 4K-16K, run BA).
+GLUON_SLOTS_AHEAD = 1
 
 
 @triton.jit
@@ -701,7 +706,7 @@ def _launch(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
             cfg.pv_e4m3, out if counters is not None else None, counters, cfg.pv_regs,
-            2 if cfg.slots_ahead == 2 else 1,
+            2 if 2 in (cfg.slots_ahead, GLUON_SLOTS_AHEAD) else 1,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(
