@@ -96,16 +96,18 @@ fi
 # The loader reading slot ids two tiles ahead (`slots_ahead` 2; on an H200 the FP8 call at page
 # size 1 took 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K, run BA): its GPU tests,
 # then the engine's FP8 call with and without it (a2: the engine's form; regs4a2, conva2: the
-# register-V and converter forms; regs4q1: q as one e4m3 term, half the QK wgmmas' N, against
-# the 1.6x line where the form is held by its own work), also with the cache held in L2, then
+# register-V and converter forms; regs4q1: q as one e4m3 term, half the QK wgmmas' N; regs84:
+# PV as e4m3 wgmmas with V^T from registers, P in e4m3, half the PV wgmmas and no V
+# conversion: against the 1.6x line where the form is held by its own work), also with the
+# cache held in L2 (its tests: pv_regs_e4m3 among pv_regs), then
 # the kernel table at those points for the paged figures in the same run. Only when named (`bash perf/device_check.sh ids_ahead`).
 if [[ " $STEPS " == *" ids_ahead "* ]]; then
     step ids_ahead 420 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_mla_decode_gluon.py -k 'two_tiles or pv_regs or paged'; \
         python3 perf/bench_decode_parts.py --points 16x4096 64x4096 128x4096 16x16384 \
-        64x16384 128x16384 --fp8-forms a2 regs4a2 conv conva2 regs4q1; \
+        64x16384 128x16384 --fp8-forms a2 regs4a2 conv conva2 regs4q1 regs84 regs84a2; \
         python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
-        --fp8-forms a2 regs4q1; \
+        --fp8-forms a2 regs4q1 regs84; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --batches 16 64 128 \
         --contexts 4096 16384 --out '$OUT/ids_ahead'"
 fi

@@ -148,6 +148,16 @@ def _v_regs_conflicts() -> None:
     gl.static_print("  register-V load conflicts:", gl.bank_conflicts(x.type, src.type))
 
 
+@gluon.jit
+def _v8_regs_conflicts() -> None:
+    """The same for PV as e4m3 wgmmas (`pv_regs` with `pv_e4m3`: `_v8_regs_layout`, a whole
+    tile)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8)
+    src = gl.allocate_shared_memory(gl.float8e4nv, [64, 512], layout)
+    x = src.load(mla_decode_gluon._v8_regs_layout(512))
+    gl.static_print("  register-V load conflicts:", gl.bank_conflicts(x.type, src.type))
+
+
 def transposer_conflicts(fn: Any = None) -> None:
     """Compile `_transposer_conflicts` (or `fn`; its prints are the report: traced anew each
     time, not taken from Triton's cache)."""
@@ -235,10 +245,10 @@ def main() -> None:
     spills, serialized = ptxas_report(ptx)
     print(f"  ptxas spill stores: {'n/a' if spills is None else spills} bytes")
     print(f"  ptxas wgmma serialized: {'n/a' if serialized is None else serialized}", flush=True)
-    if args.pv_e4m3:
+    if args.pv_e4m3 and not args.pv_regs:
         transposer_conflicts()
     if args.pv_regs:
-        transposer_conflicts(_v_regs_conflicts)
+        transposer_conflicts(_v8_regs_conflicts if args.pv_e4m3 else _v_regs_conflicts)
 
 
 if __name__ == "__main__":

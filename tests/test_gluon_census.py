@@ -117,6 +117,21 @@ def test_gluon_pv_regs_compiles_for_hopper() -> None:
     assert "register-V load conflicts: 0" in report, report
 
 
+def test_gluon_pv_regs_e4m3_compiles_for_hopper() -> None:
+    """`pv_regs` with `pv_e4m3`: PV as e4m3 wgmmas with V^T from registers: 8 M-blocks x 2
+    k-steps of m64n16k32 a tile (twice over, the last tile's after the loop) beside QK's 36,
+    no fp16 wgmma and no V conversion (the cvt left are P's and q's), each thread's V bytes
+    read as 16-byte loads free of bank conflicts (`_v8_regs_layout`), 5 ring tiles fit.
+    Spills: none with Triton 3.6, 16 bytes with 3.9 at 4 tiles."""
+    flags = ["--pv-regs", "--pv-e4m3", "--stages", "5"]
+    counts, report = _census(flags, pdl_partitions=2, spill_limit=48)
+    assert "threads 256" in report, report
+    assert counts["wgmma e4m3"] == 36 + 32 and counts["wgmma f16"] == 0, report
+    assert "m64n16k32" in report and counts["shared 16B loads"] >= 16, report
+    assert counts["cvt e4m3x2"] < 64, report
+    assert "register-V load conflicts: 0" in report, report
+
+
 @pytest.mark.parametrize(
     "flags", [_flags(gluon_config(16, 128, 16384)), _flags(gluon_config(16, 16, 4096))]
 )

@@ -499,7 +499,9 @@ class MLADecodeConfig(NamedTuple):
     # With gluon (the FP8 kernel, 16 heads a program): PV with V^T read from the e4m3 ring into
     # the attention warp group's registers, turned to fp16 there and fed to the wgmma as its A
     # operand (`mla_decode_gluon._pv_regs_step`): no converter warps and no fp16 V ring, so
-    # num_stages e4m3 tiles (2-5) fill the shared memory; `gluon` and v_rows unused.
+    # num_stages e4m3 tiles (2-5) fill the shared memory; `gluon` and v_rows unused. With
+    # pv_e4m3 too: PV as e4m3 wgmmas on those registers (`_pv8_regs_tile`: half the PV wgmmas,
+    # no V conversion, P in e4m3 as pv_e4m3 rounds it); opt-in, not yet run on a GPU.
     pv_regs: bool = False
 
 

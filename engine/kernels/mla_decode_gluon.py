@@ -155,6 +155,23 @@ def _v_regs_layout(c: int) -> gl.DistributedLinearLayout:
 
 
 @triton.constexpr_function
+def _v8_regs_layout(c: int) -> gl.DistributedLinearLayout:
+    """`_v_regs_layout` for PV as e4m3 wgmmas (`pv_regs` with `pv_e4m3`): a whole tile [64
+    tokens, C] in the same bank-conflict-free pattern (token bits 1-2 in lanes 0-1, bits 0
+    and 3-5 in registers; one 16-byte load a token row at C = 512). `_k8_order` then puts
+    the tokens in the 8-bit A fragment's k order (k bits 2-3 in lanes 0-1): no data moves,
+    no conversion, the bytes go to the wgmma as they are."""
+    own = _v_own_bits(c)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << j] for j in range(own)] + [[1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1 << own], [0, 2 << own], [0, 4 << own]],
+        warp_bases=[[0, 8 << own], [0, 16 << own]],
+        block_bases=[],
+        shape=[BLOCK_N, c],
+    )
+
+
+@triton.constexpr_function
 def _v_out_layout(c: int) -> gl.DistributedLinearLayout:
     """The register-V accumulator [C, 16 heads] in the latent's order (`_latent_order`) with
     each thread's 2^own contiguous columns as its first registers, so that they are stored as
@@ -520,6 +537,33 @@ def _pv_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
     return acc, a0, a1, a2, a3
 
 
+@gluon.jit
+def _k8_order(x):
+    """x [64 tokens, N] with its tokens in PV's e4m3 k order: row k holds token t(k), t's bits
+    (5, 4, 3, 2, 1, 0) being k's (5, 4, 1, 3, 2, 0), so that `_v8_regs_layout`'s lane bits
+    (token bits 1-2) become k bits 2-3 as the 8-bit A fragment holds them. V's tokens and
+    P's go through it alike (PV sums over k in any order); a relabelling of the registers."""
+    N: gl.constexpr = x.shape[1]
+    y = gl.reshape(x, [2, 2, 2, 2, 2, 2, N])
+    return gl.reshape(gl.permute(y, (0, 1, 3, 4, 2, 5, 6)), [BLOCK_N, N])
+
+
+@gluon.jit
+def _pv8_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
+    """A tile's PV as e4m3 wgmmas (m64n16k32, 8 M-blocks x 2 k-steps) with V^T read from the
+    e4m3 slot v_tile [BLOCK_N, C] into registers (`_v8_regs_layout`, `_k8_order`) and P^T in
+    e4m3 from p_i [HEADS, BLOCK_N] (times P_SCALE, its tokens in `_k8_order` too): the
+    accumulator rescaled by `alpha`, then the
+    wgmmas issued (not waited for); returns the accumulator's token and the A operand, which
+    must stay alive until they are done."""
+    C: gl.constexpr = v_tile.shape[1]
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+    x = _k8_order(v_tile.load(_v8_regs_layout(C)))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    a = gl.convert_layout(_v_operand(x), a_layout)
+    return warpgroup_mma(a, p_i.permute((1, 0)), acc, is_async=True), a
+
+
 @triton.constexpr_function
 def _warp_rows_layout(heads: int) -> gl.DistributedLinearLayout:
     """[4 warps' rows, heads] with every thread holding the 4 rows of the heads it holds in
@@ -572,22 +616,39 @@ def _o_layout(heads: int, pv_k: int) -> gl.NVMMADistributedLayout:
 
 
 @gluon.jit
+def _publish_p(p, l_t, alpha, dst):
+    """A tile's P [BLOCK_N, HEADS] into dst [HEADS, BLOCK_N] in its dtype (e4m3: times
+    P_SCALE, the tokens in `_k8_order`) and the per-thread running sums l_t rescaled by
+    `alpha` and updated (over e4m3, with the rounded P: what PV sums)."""
+    if dst.dtype == gl.float8e4nv:
+        p8 = (p * P_SCALE).to(gl.float8e4nv)
+        l_t = l_t * alpha[None, :] + p8.to(gl.float32) * (1.0 / P_SCALE)
+        dst.store(gl.permute(_k8_order(p8), (1, 0)))
+    else:
+        l_t = l_t * alpha[None, :] + p
+        dst.store(gl.permute(p.to(gl.float16), (1, 0)))
+    return l_t
+
+
+@gluon.jit
 def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, start, end,
                   scale, zero, acc, m_i):  # fmt: skip
     """The attention group's tiles with V^T from registers (`pv_regs`; P buffers p_s [2, HEADS,
     BLOCK_N], the softmax's m_s [2, 4, HEADS]): per tile but the last, QK of the next tile is
-    issued, then this tile's PV (`_pv_regs_tile`, P from the softmax before), and while PV
-    runs on the tensor cores the next tile's softmax (`_tile_softmax`) fills the other P
-    buffer; the last tile's PV follows the loop. All of a tile's wgmmas are waited for inside
-    its iteration (a wgmma left in flight across the loop's back edge made ptxas serialize
-    every wgmma). A ring slot goes back to the loader once every warp has read its V (the
-    last one never: no tile follows it). The running sums are kept per thread and summed
-    across the warps once, at the end. An empty split's QK and PV run on a stale slot, their
-    results never stored. Returns the accumulator, the running max and the sums."""
+    issued, then this tile's PV (`_pv_regs_tile`, P from the softmax before; with p_s in e4m3
+    `_pv8_regs_tile`, PV as e4m3 wgmmas), and while PV runs on the tensor cores the next
+    tile's softmax (`_tile_softmax`) fills the other P buffer; the last tile's PV follows the
+    loop. All of a tile's wgmmas are waited for inside its iteration (a wgmma left in flight
+    across the loop's back edge made ptxas serialize every wgmma). A ring slot goes back to
+    the loader once every warp has read its V (the last one never: no tile follows it). The
+    running sums are kept per thread and summed across the warps once, at the end. An empty
+    split's QK and PV run on a stale slot, their results never stored. Returns the
+    accumulator, the running max and the sums."""
     HEADS: gl.constexpr = p_s.shape[1]
     STAGES: gl.constexpr = lat_ring.shape[0]
+    P8: gl.constexpr = p_s.dtype == gl.float8e4nv
     s_layout: gl.constexpr = _s_layout(HEADS, 32)
-    o_layout: gl.constexpr = _o_layout(HEADS, 16)
+    o_layout: gl.constexpr = _o_layout(HEADS, 32 if P8 else 16)
     n_tiles = _n_tiles(start, end)
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     l_t = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
@@ -599,8 +660,7 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
     p, m_i, alpha = _tile_softmax(
         sq, start + offs_t < end, scale, m_i, m_s.index(0), s_layout, HEADS
     )
-    l_t = l_t * alpha[None, :] + p
-    p_s.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
+    l_t = _publish_p(p, l_t, alpha, p_s.index(0))
     fence_async_shared()
     _barrier()
     for i in range(n_tiles - 1):
@@ -608,30 +668,47 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
         mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
         fence_async_shared()
         next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
-        acc, a0, a1, a2, a3 = _pv_regs_tile(
-            lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
-        )
+        if P8:
+            acc, a = _pv8_regs_tile(
+                lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
+            )
+        else:
+            acc, a0, a1, a2, a3 = _pv_regs_tile(
+                lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
+            )
         # The slot goes back as soon as every warp holds its V, so that the loader keeps as
         # many tiles in flight as it can (released after the next softmax instead, one
         # program over 64K tokens took 1640 us on an H100, run AU).
         _barrier()
         mbarrier.arrive(kv_empty.index(i % STAGES))
-        # QK (two groups, issued first) is done; PV's four may still run.
-        sq = warpgroup_mma_wait(4, deps=(next_sq,))
+        # QK (two groups, issued first) is done; PV's (one group over e4m3, else four) may
+        # still run.
+        sq = warpgroup_mma_wait(1 if P8 else 4, deps=(next_sq,))
         valid = start + (i + 1) * BLOCK_N + offs_t < end
         p, m_i, alpha = _tile_softmax(
             sq, valid, scale, m_i, m_s.index((i + 1) % 2), s_layout, HEADS
         )
-        l_t = l_t * alpha[None, :] + p
-        p_s.index((i + 1) % 2).store(gl.permute(p.to(gl.float16), (1, 0)))
+        l_t = _publish_p(p, l_t, alpha, p_s.index((i + 1) % 2))
         fence_async_shared()
         _barrier()
-        acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+        if P8:
+            # NOTE: Triton 3.6 cannot list an 8-bit operand among a wait's deps ("Unexpected
+            # bitwidth in WGMMAWaitGroupOp"); ptxas keeps the A registers of a wgmma in
+            # flight for it until the wait (it serializes the wgmmas where it cannot).
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        else:
+            acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
     last = gl.maximum(n_tiles - 1, 0)
-    acc, a0, a1, a2, a3 = _pv_regs_tile(
-        lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
-    )
-    acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+    if P8:
+        acc, a = _pv8_regs_tile(
+            lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
+        )
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    else:
+        acc, a0, a1, a2, a3 = _pv_regs_tile(
+            lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
+        )
+        acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
     return acc, m_i, gl.sum(l_t, 0)
 
 
@@ -665,7 +742,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
     C: gl.constexpr = lat_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     V_STAGES: gl.constexpr = v_ring.shape[0]
-    PV8: gl.constexpr = v_ring.dtype == gl.float8e4nv and not PV_REGS
+    PV8: gl.constexpr = p_s.dtype == gl.float8e4nv  # P, and so PV, in e4m3
     V_ROWS: gl.constexpr = BLOCK_N if PV8 or SIXTEEN or PV_REGS else v_ring.shape[1]
     CHUNKS: gl.constexpr = BLOCK_N // V_ROWS
     QK_K: gl.constexpr = 16 if SIXTEEN else 32  # K of the QK wgmma instruction
@@ -770,7 +847,7 @@ def _attend(q_base, stride_qh, qk_scale, k_scale_ptr, q_s, q_pe_s, p_s, lat_ring
             out = gl.convert_layout(_latent_order(out), _v_out_layout(C))
         out_layout: gl.constexpr = out.type.layout
         offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, out_layout))
-        if PV8:
+        if PV8 and not PV_REGS:
             offs_c = _v_rows_to_latent(offs_c)
         offs_ho = hg * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
         o_ptrs = (
@@ -977,8 +1054,12 @@ def mla_decode_fp8_ws_kernel(
         v_ring = lat_ring
     elif PV_REGS:
         # V is read from the e4m3 ring into registers by the attention group: no V ring; P
-        # double-buffered (a tile's PV runs on during the next softmax).
-        p_s = gl.allocate_shared_memory(gl.float16, [2, HEADS, BLOCK_N], f16_128)
+        # double-buffered (a tile's PV runs on during the next softmax), in e4m3 with PV_E4M3.
+        if PV_E4M3:
+            e4m3_p8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8)
+            p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, HEADS, BLOCK_N], e4m3_p8)
+        else:
+            p_s = gl.allocate_shared_memory(gl.float16, [2, HEADS, BLOCK_N], f16_128)
         v_ring = lat_ring
     elif PV_E4M3:
         # NOTE: V^T slots of 128 columns (one tile in the first 64): the 128-byte swizzle is
@@ -1129,7 +1210,8 @@ def launch_stage1(
     e4m3 V (v_stages slots of a whole tile). With `out` [B, H, C] and `counters`
     (`merge_counters`) the splits are merged inside the kernel into `out` (`_merge_here`; the
     caller makes sure the grid fits the SMs). `pv_regs` (e4m3, 16 heads): PV with V^T read into
-    the attention group's registers, no converter and no V ring (v_stages, v_rows unused).
+    the attention group's registers, no converter and no V ring (v_stages, v_rows unused); with
+    `pv_e4m3` those registers feed e4m3 wgmmas (P in e4m3).
     `ids_ahead` 2 (page size 1): the loader reads slot ids two tiles ahead instead of one."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
@@ -1150,8 +1232,8 @@ def launch_stage1(
     if pv_regs:
         # NOTE: the ring's slots, q and P; 5 slots of a 512 latent take 200 KB.
         most = 5 if c == 512 else 8
-        assert heads == BLOCK_H.value and not pv_e4m3 and 2 <= stages <= most, (
-            f"V from registers takes 16 heads a program, fp16 PV and 2-{most} ring slots"
+        assert heads == BLOCK_H.value and 2 <= stages <= most, (
+            f"V from registers takes 16 heads a program and 2-{most} ring slots"
         )
         v_stages, v_rows = 1, BLOCK_N.value
     num_splits = mid_lse.shape[2]

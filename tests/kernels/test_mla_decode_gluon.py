@@ -204,6 +204,40 @@ def test_gluon_pv_regs(
     assert _rel_err(out, base) < 1e-3
 
 
+@pytest.mark.parametrize(
+    "seq_lens,heads,splits,stages,c",
+    [
+        ([1], 16, None, 2, C),  # one token: P is 1 (exact in e4m3), the output its V row
+        ([37, 64, 65], 16, 1, 3, C),  # one split (stage 1 writes the output); a tile edge
+        ([5, 1000, 17, 300], 16, None, 4, C),
+        ([3, 200], 20, 8, 5, C),  # a mostly masked second head group; empty splits
+        ([4100], 16, 2, 4, C),  # the ring wraps many times
+        ([700, 90], 16, 2, 4, 256),  # a latent of 256
+    ],
+)
+def test_gluon_pv_regs_e4m3(
+    seq_lens: list[int], heads: int, splits: int | None, stages: int, c: int
+) -> None:
+    """PV as e4m3 wgmmas with V^T from registers (`pv_regs` with `pv_e4m3`): the same P (e4m3,
+    times P_SCALE) and V bytes as the transposer's e4m3 form, summed in another order, so
+    close to its output; within P's rounding of the reference. A wrong token order between
+    V and P (`_k8_order`) or a wrong row order would show as an O(1) error."""
+    q, kv8, req_to_token, rows, lens, k_scale = _pool(seq_lens, heads, seed=stages + 11, c=c)
+    args = (q, kv8, req_to_token, rows, lens, c, (c + R) ** -0.5)
+    ref = mla_decode_ref(*args, k_scale=k_scale)
+    cfg = _gluon(stages, 1)._replace(pv_regs=True, pv_e4m3=True)
+    out = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=cfg)
+    assert out.shape == (len(seq_lens), heads, c) and torch.isfinite(out.float()).all()
+    assert _rel_err(out, ref) < 3.5e-2
+    if c == C:  # (the transposer's form serves a latent of 512)
+        conv = _gluon()._replace(pv_e4m3=True)
+        other = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=conv)
+        assert _rel_err(out, other) < 2e-3
+    if max(seq_lens) == 1:
+        fp16 = mla_decode(*args, k_scale=k_scale, num_kv_splits=splits, config=_gluon())
+        assert _rel_err(out, fp16) < 1e-2
+
+
 @pytest.mark.parametrize("seq_lens,c", [([5, 1000, 17, 300], C), ([700, 90], 256)])
 def test_gluon_pv_regs_wide_values(seq_lens: list[int], c: int) -> None:
     """The register-V form's conversion (bytes paired by PRMT, then converted: `_PAIRS_CVT`)
