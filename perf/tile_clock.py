@@ -44,7 +44,9 @@ STRETCHES = [
 ]  # fmt: skip
 
 
-def run(batch: int, ctx: int, l2: bool, stages: int) -> str:
+def run(batch: int, ctx: int, l2: bool, stages: int, form: str = "regs") -> str:
+    """One point's line; `form` "regs8": PV as e4m3 wgmmas (`pv_e4m3`; its one PV issue is
+    stretch pv0, pv1-pv3 empty)."""
     assert hasattr(g, "TIMING"), "apply perf/tile_clock.patch first"
     p = bench_kernels.MLAPoint(batch, ctx)
     if l2:
@@ -53,7 +55,7 @@ def run(batch: int, ctx: int, l2: bool, stages: int) -> str:
     q, kv = p.q(HEADS), p.cache8.view(-1, c + r)
     # The engine's pick for this point, as the register-V form with `stages` ring tiles, and
     # the split count `mla_decode` takes for it.
-    cfg = bench_decode_parts.form_config(md.gluon_config(HEADS, batch, ctx), f"regs{stages}")
+    cfg = bench_decode_parts.form_config(md.gluon_config(HEADS, batch, ctx), f"{form}{stages}")
     splits = choose_num_kv_splits(
         batch, HEADS, ctx, cfg.gluon_heads, g.BLOCK_N.value, waves=cfg.waves,
         min_tokens_per_split=cfg.min_split_tokens,
@@ -86,9 +88,9 @@ def run(batch: int, ctx: int, l2: bool, stages: int) -> str:
     where = "L2" if l2 else "HBM"
     slot_wait, rest = cur[..., 7] - cur[..., 6], nxt[..., 6] - cur[..., 7]
     return (
-        f"{batch} x {ctx} {where}, {stages} tiles, {splits} splits: {us:.1f} us a call (stamps "
-        f"off); cycles a tile {tile.mean():.0f} (median {tile.median():.0f}): {cells}; loader "
-        f"slot wait {slot_wait.mean():.0f}, rest {rest.mean():.0f}"
+        f"{batch} x {ctx} {where}, {form}, {stages} tiles, {splits} splits: {us:.1f} us a call "
+        f"(stamps off); cycles a tile {tile.mean():.0f} (median {tile.median():.0f}): {cells}; "
+        f"loader slot wait {slot_wait.mean():.0f}, rest {rest.mean():.0f}"
     )
 
 
@@ -98,3 +100,5 @@ if __name__ == "__main__":
         for l2 in (True, False):
             print(run(batch, ctx, l2, 5), flush=True)
     print(run(128, 16384, False, 5), flush=True)
+    for batch in (16, 64):
+        print(run(batch, 16384, True, 4, "regs8"), flush=True)
