@@ -129,6 +129,8 @@ def test_gluon_pv_regs_e4m3_compiles_for_hopper() -> None:
     assert counts["wgmma e4m3"] == 36 + 32 and counts["wgmma f16"] == 0, report
     assert "m64n16k32" in report and counts["shared 16B loads"] >= 16, report
     assert counts["cvt e4m3x2"] < 64, report
+    # The bytes' transpose into the A fragment: 3 PRMT an A register (64 a tile, twice over).
+    assert counts["prmt"] <= 384, report
     assert "register-V load conflicts: 0" in report, report
 
 

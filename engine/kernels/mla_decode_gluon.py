@@ -159,8 +159,10 @@ def _v8_regs_layout(c: int) -> gl.DistributedLinearLayout:
     """`_v_regs_layout` for PV as e4m3 wgmmas (`pv_regs` with `pv_e4m3`): a whole tile [64
     tokens, C] in the same bank-conflict-free pattern (token bits 1-2 in lanes 0-1, bits 0
     and 3-5 in registers; one 16-byte load a token row at C = 512). `_k8_order` then puts
-    the tokens in the 8-bit A fragment's k order (k bits 2-3 in lanes 0-1): no data moves,
-    no conversion, the bytes go to the wgmma as they are."""
+    the tokens in the 8-bit A fragment's k order (k bits 2-3 in lanes 0-1): no lanes
+    exchange data and nothing is converted; within a thread the bytes are transposed (a
+    register loaded holds 4 columns of a token, the fragment's 4 tokens of a column: 3 PRMT
+    an A register)."""
     own = _v_own_bits(c)
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1 << j] for j in range(own)] + [[1, 0], [8, 0], [16, 0], [32, 0]],
@@ -560,7 +562,7 @@ def _pv8_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
     x = _k8_order(v_tile.load(_v8_regs_layout(C)))
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    a = gl.convert_layout(_v_operand(x), a_layout)
+    a = gl.convert_layout(_v_operand(x), a_layout, assert_trivial=True)
     return warpgroup_mma(a, p_i.permute((1, 0)), acc, is_async=True), a
 
 
@@ -693,8 +695,10 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
         _barrier()
         if P8:
             # NOTE: Triton 3.6 cannot list an 8-bit operand among a wait's deps ("Unexpected
-            # bitwidth in WGMMAWaitGroupOp"); ptxas keeps the A registers of a wgmma in
-            # flight for it until the wait (it serializes the wgmmas where it cannot).
+            # bitwidth in WGMMAWaitGroupOp"). Nor would it help: the wgmma's A registers are
+            # the bytes packed anew by its lowering, which no dep names (in the fp16 form
+            # either); no A register is redefined before the wait in the PTX, and ptxas keeps
+            # them or serializes the wgmmas (the census checks it does not).
             acc = warpgroup_mma_wait(0, deps=(acc,))
         else:
             acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
