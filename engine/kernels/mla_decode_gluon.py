@@ -529,14 +529,35 @@ def _online_softmax(sq, valid, scale, m_i, s_layout: gl.constexpr, HEADS: gl.con
 @gluon.jit
 def _pv_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
     """A tile's PV with V^T from registers: the accumulator rescaled by `alpha`, then four
-    `_pv_regs_step`s, issued (not waited for); returns the accumulator's token and the four A
-    operands, which must stay alive until the wgmmas are done."""
+    `_pv_regs_step`s, or over an e4m3 P (p_i) `_pv8_regs_tile`'s e4m3 wgmmas, issued (not
+    waited for); returns the accumulator's token and the A operands that must stay alive until
+    the wgmmas are done (`_pv_regs_wait`; over e4m3 none can be named, see there)."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-    acc, a0 = _pv_regs_step(v_tile, 0, p_i, acc, o_layout)
-    acc, a1 = _pv_regs_step(v_tile, 1, p_i, acc, o_layout)
-    acc, a2 = _pv_regs_step(v_tile, 2, p_i, acc, o_layout)
-    acc, a3 = _pv_regs_step(v_tile, 3, p_i, acc, o_layout)
-    return acc, a0, a1, a2, a3
+    if p_i.dtype == gl.float8e4nv:
+        return _pv8_regs_tile(v_tile, p_i, acc, o_layout), ()
+    else:
+        acc, a0 = _pv_regs_step(v_tile, 0, p_i, acc, o_layout)
+        acc, a1 = _pv_regs_step(v_tile, 1, p_i, acc, o_layout)
+        acc, a2 = _pv_regs_step(v_tile, 2, p_i, acc, o_layout)
+        acc, a3 = _pv_regs_step(v_tile, 3, p_i, acc, o_layout)
+        return acc, (a0, a1, a2, a3)
+
+
+@gluon.jit
+def _pv_regs_wait(acc, ops):
+    """Waits for `_pv_regs_tile`'s wgmmas (and everything issued before them); returns the
+    accumulator.
+
+    NOTE: over e4m3 `ops` is empty: Triton 3.6 cannot list an 8-bit operand among a wait's
+    deps ("Unexpected bitwidth in WGMMAWaitGroupOp"). Nor would it help: the wgmma's A
+    registers are the bytes packed anew by its lowering, which no dep names (in the fp16 form
+    either); no A register is redefined before the wait in the PTX, and ptxas keeps them or
+    serializes the wgmmas (the census checks it does not)."""
+    if len(ops) == 0:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    else:
+        acc, _, _, _, _ = warpgroup_mma_wait(0, deps=(acc, ops[0], ops[1], ops[2], ops[3]))
+    return acc
 
 
 @gluon.jit
@@ -551,19 +572,16 @@ def _k8_order(x):
 
 
 @gluon.jit
-def _pv8_regs_tile(v_tile, p_i, acc, alpha, o_layout: gl.constexpr):
+def _pv8_regs_tile(v_tile, p_i, acc, o_layout: gl.constexpr):
     """A tile's PV as e4m3 wgmmas (m64n16k32, 8 M-blocks x 2 k-steps) with V^T read from the
     e4m3 slot v_tile [BLOCK_N, C] into registers (`_v8_regs_layout`, `_k8_order`) and P^T in
-    e4m3 from p_i [HEADS, BLOCK_N] (times P_SCALE, its tokens in `_k8_order` too): the
-    accumulator rescaled by `alpha`, then the
-    wgmmas issued (not waited for); returns the accumulator's token and the A operand, which
-    must stay alive until they are done."""
+    e4m3 from p_i [HEADS, BLOCK_N] (times P_SCALE, its tokens in `_k8_order` too), issued
+    (not waited for); returns the accumulator's token."""
     C: gl.constexpr = v_tile.shape[1]
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
     x = _k8_order(v_tile.load(_v8_regs_layout(C)))
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     a = gl.convert_layout(_v_operand(x), a_layout, assert_trivial=True)
-    return warpgroup_mma(a, p_i.permute((1, 0)), acc, is_async=True), a
+    return warpgroup_mma(a, p_i.permute((1, 0)), acc, is_async=True)
 
 
 @triton.constexpr_function
@@ -638,7 +656,7 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
     """The attention group's tiles with V^T from registers (`pv_regs`; P buffers p_s [2, HEADS,
     BLOCK_N], the softmax's m_s [2, 4, HEADS]): per tile but the last, QK of the next tile is
     issued, then this tile's PV (`_pv_regs_tile`, P from the softmax before; with p_s in e4m3
-    `_pv8_regs_tile`, PV as e4m3 wgmmas), and while PV runs on the tensor cores the next
+    as e4m3 wgmmas), and while PV runs on the tensor cores the next
     tile's softmax (`_tile_softmax`) fills the other P buffer; the last tile's PV follows the
     loop. All of a tile's wgmmas are waited for inside its iteration (a wgmma left in flight
     across the loop's back edge made ptxas serialize every wgmma). A ring slot goes back to
@@ -670,14 +688,7 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
         mbarrier.wait(kv_ready.index(s1), ((i + 1) // STAGES) & 1)
         fence_async_shared()
         next_sq = _issue_qk(lat_ring.index(s1), pe_ring.index(s1), q_s, q_pe_s, zero)
-        if P8:
-            acc, a = _pv8_regs_tile(
-                lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
-            )
-        else:
-            acc, a0, a1, a2, a3 = _pv_regs_tile(
-                lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout
-            )
+        acc, ops = _pv_regs_tile(lat_ring.index(i % STAGES), p_s.index(i % 2), acc, alpha, o_layout)
         # The slot goes back as soon as every warp holds its V, so that the loader keeps as
         # many tiles in flight as it can (released after the next softmax instead, one
         # program over 64K tokens took 1640 us on an H100, run AU).
@@ -693,26 +704,12 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
         l_t = _publish_p(p, l_t, alpha, p_s.index((i + 1) % 2))
         fence_async_shared()
         _barrier()
-        if P8:
-            # NOTE: Triton 3.6 cannot list an 8-bit operand among a wait's deps ("Unexpected
-            # bitwidth in WGMMAWaitGroupOp"). Nor would it help: the wgmma's A registers are
-            # the bytes packed anew by its lowering, which no dep names (in the fp16 form
-            # either); no A register is redefined before the wait in the PTX, and ptxas keeps
-            # them or serializes the wgmmas (the census checks it does not).
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        else:
-            acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+        acc = _pv_regs_wait(acc, ops)
     last = gl.maximum(n_tiles - 1, 0)
-    if P8:
-        acc, a = _pv8_regs_tile(
-            lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
-        )
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    else:
-        acc, a0, a1, a2, a3 = _pv_regs_tile(
-            lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
-        )
-        acc, a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(acc, a0, a1, a2, a3))
+    acc, ops = _pv_regs_tile(
+        lat_ring.index(last % STAGES), p_s.index(last % 2), acc, alpha, o_layout
+    )
+    acc = _pv_regs_wait(acc, ops)
     return acc, m_i, gl.sum(l_t, 0)
 
 
