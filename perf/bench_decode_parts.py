@@ -53,8 +53,8 @@ def main() -> None:
     ap.add_argument(
         "--fp8-forms", nargs="*", default=[],
         help="also FP8 calls of these forms: regsN (V from registers, N e4m3 tiles), regs8N "
-        "(the same, PV as e4m3 wgmmas with P in e4m3), conv (the "
-        "converter warps' form with 3 e4m3 tiles), with an 'a2' suffix slot ids read two tiles "
+        "(the same, PV as e4m3 wgmmas with P in e4m3), conv (the converter warps' form with 3 "
+        "e4m3 tiles), with an 'a2' suffix slot ids read two tiles "
         "ahead, with a 'q1' suffix q as one e4m3 term (q1 alone: the engine's form with one "
         "term; a2 alone: the engine's form with ids two tiles ahead)",
     )  # fmt: skip
@@ -140,19 +140,18 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
 def form_config(cfg: md.MLADecodeConfig, form: str) -> md.MLADecodeConfig:
     """`--fp8-forms`' names: regsN (`pv_regs`, N e4m3 tiles), regs8N (the same with PV as
     e4m3 wgmmas, `pv_e4m3`), conv (the converter form of large calls: 3 e4m3 tiles, V in
-    32-token slots), an a2 suffix (slot ids two tiles ahead,
-    `slots_ahead` 2) and a q1 suffix (one q term), in that order (regs4a2q1)."""
+    32-token slots), an a2 suffix (slot ids two tiles ahead, `slots_ahead` 2) and a q1 suffix
+    (one q term), in that order (regs4a2q1)."""
     if form.endswith("q1"):
         cfg, form = cfg._replace(q_residual=False), form[:-2]
     if form.endswith("a2"):
         cfg, form = cfg._replace(slots_ahead=2), form[:-2]
     if form == "conv":
         cfg = cfg._replace(pv_regs=False, num_stages=3, gluon=3, v_rows=32)
-    elif form.startswith("regs8"):
-        cfg = cfg._replace(pv_regs=True, pv_e4m3=True, num_stages=int(form[5:]), gluon=1)
-        cfg = cfg._replace(v_rows=64)
     elif form.startswith("regs"):
-        cfg = cfg._replace(pv_regs=True, num_stages=int(form[4:]), gluon=1, v_rows=64)
+        e4m3 = form.startswith("regs8")
+        stages = int(form[5:] if e4m3 else form[4:])
+        cfg = cfg._replace(pv_regs=True, pv_e4m3=e4m3, num_stages=stages, gluon=1, v_rows=64)
     elif form:
         raise SystemExit(f"unknown form {form!r}")
     return cfg

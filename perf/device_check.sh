@@ -94,13 +94,14 @@ if [[ " $STEPS " == *" issue16 "* ]]; then
         --fp8-forms conv regs5"
 fi
 # The loader reading slot ids two tiles ahead (`slots_ahead` 2; on an H200 the FP8 call at page
-# size 1 took 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K, run BA): its GPU tests,
-# then the engine's FP8 call with and without it (a2: the engine's form; regs4a2, conva2: the
-# register-V and converter forms; regs4q1: q as one e4m3 term, half the QK wgmmas' N; regs84:
-# PV as e4m3 wgmmas with V^T from registers, P in e4m3, half the PV wgmmas and no V
-# conversion: against the 1.6x line where the form is held by its own work), also with the
-# cache held in L2 (its tests: pv_regs_e4m3 among pv_regs), then
-# the kernel table at those points for the paged figures in the same run. Only when named (`bash perf/device_check.sh ids_ahead`).
+# size 1 took 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K, run BA) and PV as e4m3
+# wgmmas with V^T from registers (`pv_regs` with `pv_e4m3`): their GPU tests (two_tiles,
+# pv_regs_e4m3 among pv_regs), then the engine's FP8 call beside these forms (a2: the engine's
+# form with ids two tiles ahead; regs4a2, conva2: the register-V and converter forms so;
+# regs4q1: q as one e4m3 term, half the QK wgmmas' N; regs84: the e4m3 register form, half the
+# PV wgmmas and no V conversion, P in e4m3), also with the cache held in L2 (against the 1.6x
+# line where a form is held by its own work), then the kernel table at those points for the
+# paged figures in the same run. Only when named (`bash perf/device_check.sh ids_ahead`).
 if [[ " $STEPS " == *" ids_ahead "* ]]; then
     step ids_ahead 420 bash -c "python3 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_mla_decode_gluon.py -k 'two_tiles or pv_regs or paged'; \
