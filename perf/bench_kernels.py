@@ -765,9 +765,16 @@ def main() -> None:
         help="mla_decode.GLUON_PV_REGS_TOKENS 0: the engine's FP8 pick reads V into registers "
         "at any size",
     )  # fmt: skip
+    ap.add_argument(
+        "--slots-ahead2", action="store_true",
+        help="mla_decode.GLUON_SLOTS_AHEAD 2: the Gluon kernels' loader reads slot ids two "
+        "tiles ahead at page size 1",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.pv_regs:
         md.GLUON_PV_REGS_TOKENS = 0
+    if args.slots_ahead2:
+        md.GLUON_SLOTS_AHEAD = 2
     if args.fp8_bmm_only:
         args.no_mla = args.no_moe = True
     assert torch.cuda.is_available(), "needs a GPU"

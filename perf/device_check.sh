@@ -13,7 +13,7 @@
 #            bash perf/device_check.sh pytest     (only the named steps: pytest bench_kernels
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
-#                                                  heads128, issue16, ids_ahead,
+#                                                  heads128, issue16, ids_ahead, ids_ahead_ab,
 #                                                  ids_ahead_engine, fp8_prefill and tile_clock
 #                                                  only when named)
 set -u
@@ -111,6 +111,26 @@ if [[ " $STEPS " == *" ids_ahead "* ]]; then
         --fp8-forms a2 regs4q1 regs84; \
         python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --batches 16 64 128 \
         --contexts 4096 16384 --out '$OUT/ids_ahead'"
+fi
+# The kernel grid's 16-head rows with the loader reading slot ids two tiles ahead
+# (`--slots-ahead2`) against the default, alternated (default, ahead, ahead, default), then
+# the FP8 forms with ids two ahead held in L2. Only when named (`... ids_ahead_ab`).
+if [[ " $STEPS " == *" ids_ahead_ab "* ]]; then
+    for run in 1 2 3 4; do
+        extra=""
+        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
+        echo "== ids_ahead_ab $run ${extra:-(default)}"
+        timeout 150 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
+            --batches 16 64 128 --contexts 4096 16384 $extra --out "$OUT/ids_ahead_ab$run" \
+            > "$OUT/ids_ahead_ab$run.txt" 2>&1
+        echo "rc=$?"
+        grep '^| 16 |' "$OUT/ids_ahead_ab$run.txt" | tail -n 6
+    done
+    echo "== ids_ahead_l2"
+    timeout 150 python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
+        --fp8-forms a2 regs84a2 regs4a2q1 regs84a2q1 > "$OUT/ids_ahead_l2.txt" 2>&1
+    echo "rc=$?"
+    grep '^| fp8' "$OUT/ids_ahead_l2.txt"
 fi
 # The engine with the loader reading slot ids two tiles ahead (`--slots-ahead2`) against the
 # default, FP8 KV at 64 and 256 requests, the two alternated twice (processes default, ahead,
