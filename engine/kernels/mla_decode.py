@@ -72,8 +72,9 @@ MERGE_INSIDE_MAX_SPLITS = 16
 GLUON_MERGE_INSIDE = False
 # 2: every launch of the 16/32-head Gluon kernel at page size 1 reads slot ids two tiles ahead
 # (`MLADecodeConfig.slots_ahead` 2 for all); `perf/bench_engine.py --slots-ahead2` sets it for
-# a run. Not yet timed (the H200's FP8 call at page size 1 was 1.04-1.09x the paged one at
-# batch 64-128, ctx 4K-16K, run BA).
+# a run. On an H100 (run BB) 5-10% faster with the cache held in L2, level to 4% slower from
+# HBM, level in the engine; not timed on an H200 (where run BA's FP8 call at page size 1 was
+# 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K).
 GLUON_SLOTS_AHEAD = 1
 
 
@@ -453,8 +454,8 @@ class MLADecodeConfig(NamedTuple):
     # Slot ids (page ids with pages) read one tile ahead, into registers (1), or with their
     # tile, the indirect load left to Triton's pipeliner (0); None: `resolve_slots_ahead`.
     # 2: the loader of the 16/32-head Gluon kernel (FP8 or bf16; not the 64-head one) reads
-    # them two tiles ahead at page size 1 (opt-in, not yet timed; with pages, in the wide
-    # kernel and in the Triton kernel it means 1).
+    # them two tiles ahead at page size 1 (opt-in, `GLUON_SLOTS_AHEAD`; with pages, in the
+    # wide kernel and in the Triton kernel it means 1).
     slots_ahead: int | None = None
     # The latent's two halves as separate QK and PV dots: two independent MMA chains a warp
     # instead of one of 36 steps (576 / 16) per score tile.
@@ -501,7 +502,8 @@ class MLADecodeConfig(NamedTuple):
     # operand (`mla_decode_gluon._pv_regs_step`): no converter warps and no fp16 V ring, so
     # num_stages e4m3 tiles (2-5) fill the shared memory; `gluon` and v_rows unused. With
     # pv_e4m3 too: PV as e4m3 wgmmas on those registers (`_pv8_regs_tile`: half the PV wgmmas,
-    # no V conversion, P in e4m3 as pv_e4m3 rounds it); opt-in, not yet run on a GPU.
+    # no V conversion, P in e4m3 as pv_e4m3 rounds it); opt-in: on an H100 level from HBM
+    # and 1-8% slower in L2, the loader warp then holding the tile (run BB).
     pv_regs: bool = False
 
 
