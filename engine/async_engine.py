@@ -30,8 +30,9 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, on_dead: Callable[[str], None] | None = None) -> None:
         """`on_dead(reason)` runs on the loop thread when the engine cannot serve again (a
-        tensor-parallel worker died), after every request has ended with that reason; later
-        requests are refused."""
+        tensor-parallel worker died, the GPU holds a sticky error, or the loop's own
+        bookkeeping failed), after every request has ended with that reason; later requests
+        are refused."""
         self.config = config
         self._on_dead = on_dead
         self.dead: str | None = None
@@ -136,27 +137,40 @@ class AsyncEngine:
                 logger.exception("engine inbox item failed")
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop's own bookkeeping failed: serve no more
+            logger.exception("engine loop failed")
+            self.dead = self.dead or f"the engine loop failed ({e!r}); the engine must be restarted"
+            with self._accepting:
+                self._stop.set()
+        try:
+            self._run_inbox()  # requests accepted before the stop: failed below, not lost
+            self.core.fail_all(self.dead or "the engine is shutting down")
+        finally:
+            if self.dead is not None and self._on_dead is not None:
+                self._on_dead(self.dead)
+
+    def _serve(self) -> None:
+        """Step until stopped, or until a failed step leaves the engine unable to serve."""
         while not self._stop.is_set():
             self._run_inbox()
             try:
                 ran = self.core.step() if self.core.has_work() else False
             except Exception as e:  # keep serving: fail the requests in flight, not the server
                 logger.exception("engine step failed")
-                self.core.fail_all(f"engine error: {e}")
+                clean = self.core.fail_all(f"engine error: {e}")
                 ran = True
-                self.dead = self.core.broken()
+                lost = None if clean else f"ending the requests after {e!r} failed"
+                self.dead = self.core.broken() or lost
                 if self.dead is not None:  # unless it cannot serve again
                     with self._accepting:
                         self._stop.set()
-                    break
+                    return
             self._stats = self.core.stats()
             if not ran:
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
-        self._run_inbox()  # requests accepted before the stop: failed below, not lost
-        self.core.fail_all(self.dead or "the engine is shutting down")
-        if self.dead is not None and self._on_dead is not None:
-            self._on_dead(self.dead)
 
     def _gone(self) -> str:
         return "is shut down" if self.dead is None else f"failed: {self.dead}"

@@ -282,19 +282,33 @@ class EngineCore:
         self.runner.shutdown()
 
     def broken(self) -> str | None:
-        """Why this engine cannot run another step, or None: a tensor-parallel worker died
-        (every later step would fail the same way)."""
+        """Why this engine cannot run another step, or None: a tensor-parallel worker died or
+        the GPU holds a sticky error (every later step would fail the same way)."""
         workers = self.runner.workers
         if workers is not None and not workers.alive():
             return "a tensor-parallel worker process is gone; the engine must be restarted"
-        return None
+        return self.runner.device_error()
 
-    def fail_all(self, error: str) -> None:
-        """End every request with an error (the loop hit an exception it cannot recover from)."""
+    def fail_all(self, error: str) -> bool:
+        """End every request with an error (the loop hit an exception it cannot recover from).
+        False if a request's bookkeeping failed on the way: it still got its final output, but
+        its slots may be lost and the engine should not serve again."""
         self._launched = None
+        clean = True
         for state in list(self.states.values()):
             state.pending = RequestOutput(request_id=state.req.rid, error=error)
-            self._finish(state, "abort", keep_kv=False)
+            try:
+                self._finish(state, "abort", keep_kv=False)
+            except Exception:
+                logger.exception("ending request %s failed", state.req.rid)
+                clean = False
+                self.states.pop(state.req.rid, None)
+                # _finish tells the request last, so it was not told: tell it here
+                self._emit(
+                    state,
+                    RequestOutput(state.req.rid, finished=True, finish_reason="abort", error=error),
+                )
+        return clean
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -229,7 +229,7 @@ def _serve(conn: Connection) -> int:
     config = conn.recv()
     died: list[str] = []
     try:
-        # NOTE: an engine that cannot serve again (a tensor-parallel worker died) ends this
+        # NOTE: an engine that cannot serve again (a worker died, the GPU erred for good) ends this
         # process, so that the parent's reader reports it (`on_died`) and the stub restarts.
         engine = AsyncEngine(config, on_dead=died.append)
     except BaseException as e:  # a ConfigError, a missing file, out of memory, ...

@@ -314,6 +314,58 @@ def test_engine_error_fails_requests_in_flight_and_keeps_serving(tiny_mla, overl
         engine.shutdown()
 
 
+def _failing_step(runner) -> None:  # type: ignore[no-untyped-def]
+    def forward(batch, all_logits=False):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected failure")
+
+    runner.forward = forward
+
+
+@pytest.mark.parametrize("why", ["device", "bookkeeping"])
+def test_engine_that_cannot_serve_again_ends_everything(tiny_llama: str, why: str) -> None:
+    """A failed step after which the engine cannot serve (the GPU holds a sticky error, or
+    ending the requests failed too) ends every request with one final output, stops
+    accepting requests and calls `on_dead` once with the reason, instead of serving requests
+    that can never finish."""
+    died: list[str] = []
+    engine = AsyncEngine(
+        EngineConfig(model=tiny_llama, dtype="float32", max_total_tokens=256), died.append
+    )
+    core = engine.core
+    _failing_step(core.runner)
+    if why == "device":
+        core.runner.device_error = lambda: "the GPU is in an error state (injected)"  # type: ignore[method-assign]
+    else:
+        real_finish = core.scheduler.finish
+        calls = {"n": 0}
+
+        def finish(req, reason, keep_kv=True):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise AssertionError("injected bookkeeping failure")
+            return real_finish(req, reason, keep_kv)
+
+        core.scheduler.finish = finish  # type: ignore[method-assign]
+    outs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for rid in outs:
+        engine.add_request(rid, [400 + len(rid), 401], params, outs[rid].append)
+    try:
+        engine._thread.join(10)
+        assert not engine._thread.is_alive()
+        expected = "GPU is in an error state" if why == "device" else "injected failure"
+        assert len(died) == 1 and expected in died[0] and engine.dead == died[0]
+        for rid, deltas in outs.items():
+            finals = [d for d in deltas if d.finished]
+            assert len(finals) == 1 and finals[0].finish_reason == "abort", rid
+            assert "injected failure" in (finals[0].error or ""), rid
+        assert not core.states
+        with pytest.raises(RuntimeError, match="failed: "):
+            engine.add_request("c", [400, 401], params, lambda d: None)
+    finally:
+        engine.shutdown()
+
+
 def test_llm_generate_that_fails_leaves_nothing_behind(tiny_llama: str) -> None:
     """A step that raises inside `LLM.generate` ends its requests (their slots freed, the failed
     step's KV never cached), as the async engine does: the next call does not run them again

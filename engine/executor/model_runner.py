@@ -247,6 +247,17 @@ class ModelRunner:
             ", ".join(map(str, sizes)), time.perf_counter() - t0,
         )  # fmt: skip
 
+    def device_error(self) -> str | None:
+        """Why this rank's GPU can run nothing more (a sticky CUDA error such as an illegal
+        address or a device-side assert: every later call on the context fails), or None."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as e:
+            return f"the GPU is in an error state ({e}); the engine must be restarted"
+        return None
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (rank 0) and release this rank's device memory: the
         weights, the KV pool, the CUDA graphs and their memory pool, the compiled forward. The
