@@ -136,7 +136,8 @@ class EngineCore:
         self.states[rid] = state
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for settings this engine cannot honour (before anything is queued)."""
+        """Raise SamplingParamsError for settings this engine cannot honour (before anything is
+        queued)."""
         self.inputs.check_params(params)
 
     def _detokenizer(

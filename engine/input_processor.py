@@ -92,16 +92,18 @@ class InputProcessor:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for settings this engine cannot honour (before anything is queued)."""
+        """Raise SamplingParamsError for settings this engine cannot honour (before anything is
+        queued)."""
         if self.tokenizer is None and params.stop:
-            raise ValueError(
+            raise SamplingParamsError(
                 "stop strings need a tokenizer and the engine runs without one "
                 "(skip_tokenizer_init): use stop_token_ids"
             )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             vocab = f"[0, {self.vocab_size})"
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary {vocab}")
+            why = f"token id {bad[0]} is outside the vocabulary {vocab}"
+            raise SamplingParamsError(f"stop_token_ids: {why}")
 
 
 # Texts on which the fast encoder must agree with the tokenizer's own `__call__` before it is used

@@ -219,9 +219,10 @@ def test_bad_requests_fail_before_queueing(tiny_mla) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[10**9]], GREEDY)
     # A stop id past the vocabulary would fail the whole batch's sampling step (min_tokens
-    # suppresses stop ids by indexing the logits), so it is refused alone.
+    # suppresses stop ids by indexing the logits), so it is refused alone, as a sampling
+    # parameter (the server's message names `sampling_parameters`, not the prompt).
     bad_stop = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[99_999_999])
-    with pytest.raises(ValueError, match="stop_token_ids: token id 99999999 is outside"):
+    with pytest.raises(SamplingParamsError, match="stop_token_ids: token id 99999999 is outside"):
         llm.generate([[5] * 10], bad_stop)
     assert not llm.core.has_work()  # nothing of the failed calls was queued
     assert llm.generate([[5] * 10], GREEDY)[0].finish_reason == "length"

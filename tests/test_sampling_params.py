@@ -37,6 +37,10 @@ def test_defaults() -> None:
         ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
         ({"stop": ["ok", ""]}, "stop", "''"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids", "-1"),
+        # bounded: stop conditions are checked for every token of every request in the batch
+        ({"stop": ["s"] * 65}, "stop", "65 strings"),
+        ({"stop": ["x" * 1025]}, "stop", "1025 characters"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "1025 ids"),
         ({"max_tokens": "16"}, "max_tokens", "'16'"),
         ({"max_tokens": True}, "max_tokens", "True"),
         ({"ignore_eos": "yes"}, "ignore_eos", "'yes'"),
@@ -152,11 +156,17 @@ def test_from_json() -> None:
         ('{"max_tokens": 16', "not valid JSON"),
         ("[1, 2]", "must be a JSON object, got list"),
         ('"hello"', "must be a JSON object, got str"),
+        ("[" * 100_000, "nested too deeply"),
     ],
 )
 def test_from_json_errors(s: str, needle: str) -> None:
     with pytest.raises(SamplingParamsError, match=needle):
         SamplingParams.from_json(s)
+
+
+def test_stop_conditions_at_their_bounds_are_accepted() -> None:
+    params = SamplingParams(stop=["x" * 1024] * 64, stop_token_ids=list(range(1024)))
+    assert len(params.stop) == 64 and len(params.stop_token_ids) == 1024
 
 
 def test_round_trip() -> None:

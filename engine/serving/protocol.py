@@ -25,6 +25,11 @@ RETURN_FLAGS = (
     "return_logprobs",
 )
 
+# Keys of a request's parameters that are not sampling settings: HTTP generate puts the body's
+# other keys there, among them its request id and KServe's priority and timeout; Triton's own
+# start with "triton_".
+REQUEST_KEYS = ("id", "priority", "timeout")
+
 # name -> the first element of that input tensor (bytes, str, bool, numpy scalar), None if absent
 InputGetter = Callable[[str], Any]
 
@@ -68,7 +73,11 @@ def parse_request(
         if raw is None:
             extra = json.loads(parameters_json or "{}")
             params = SamplingParams.from_dict(
-                {k: v for k, v in extra.items() if not k.startswith("triton_")}
+                {
+                    k: v
+                    for k, v in extra.items()
+                    if k not in REQUEST_KEYS and not k.startswith("triton_")
+                }
             )
         else:
             params = SamplingParams.from_json(raw)

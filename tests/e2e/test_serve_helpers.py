@@ -258,8 +258,13 @@ def test_parse_request_defaults_follow_vllm_backend() -> None:
     assert (req.prompt, req.stream, req.prefix, req.params.max_tokens) == ("Hi", False, "Hi", 5)
     req = parse({"text_input": b"Hi", "stream": True, "apply_chat_template": True})
     assert (req.prompt, req.prefix) == ("<user>Hi</user>", "")
-    req = parse({"text_input": b"Hi"}, parameters='{"max_tokens": 3, "triton_x": 1}')
+    # HTTP generate's other body keys (its request id, KServe's priority and timeout) and
+    # Triton's own parameters are not sampling settings; a misspelt setting is still refused.
+    extra = '{"max_tokens": 3, "id": "42", "priority": 1, "timeout": 900, "triton_x": 1}'
+    req = parse({"text_input": b"Hi"}, parameters=extra)
     assert req.params.max_tokens == 3
+    with pytest.raises(BadRequest, match="request parameters: unknown sampling parameter 'ids'"):
+        parse({"text_input": b"Hi"}, parameters='{"ids": "42"}')
 
 
 @pytest.mark.parametrize(
