@@ -392,3 +392,20 @@ def test_randomized_simulation(page_size: int, size: int, seed: int) -> None:
     cache.evict(size)
     assert alloc_.available_size() == size
     check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("differs_at", [0, 1, 62, 63, 64, 65, 127, 128, 150, 199, None])
+def test_long_keys_match_up_to_the_first_difference(page_size: int, differs_at: int | None) -> None:
+    """Keys are compared a block at a time: a difference anywhere (at a block's edge too)
+    ends the match there, rounded down to whole pages."""
+    cache = make(size=512, page_size=page_size)
+    key = list(range(1000, 1200))
+    slots = alloc(cache, 200)
+    cache.insert(key, slots)
+    query = list(key) + [5]
+    if differs_at is not None:
+        query[differs_at] = 7
+    expected = 200 if differs_at is None else differs_at // page_size * page_size
+    assert cache.match_prefix(query).slots == slots[:expected]
+    cache.check_integrity(0)

@@ -470,3 +470,64 @@ def test_a_waiting_long_prompt_is_not_starved_by_later_short_ones() -> None:
                     long_done = step
         sched.check_integrity()
     assert long_done is not None, "the long prompt never ran"
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step with fake tokens; the ids of the requests it ran."""
+    out = sched.schedule()
+    assert out is not None
+    sched.process_batch(out, dict.fromkeys(out.sample_rows, 5))
+    return [r.rid for r in out.reqs]
+
+
+def test_a_mostly_cached_prompt_goes_before_a_long_prompts_chunks() -> None:
+    """A follow-up turn whose history is cached needs few new tokens: it counts as short
+    (its cached prefix as matched when the queue was ordered) and is prefilled in the next
+    prefill step, not after every chunk of a long prompt prefilling beside it."""
+    sched = Scheduler(
+        EngineConfig(chunked_prefill_size=512, schedule_policy="lpm"), max_total_tokens=100_000,
+        max_context_len=100_000, max_running=16,
+    )  # fmt: skip
+    history = list(range(1000, 5000))
+    first = Req("turn1", history, SamplingParams(max_tokens=400, ignore_eos=True), 0)
+    sched.add_request(first)
+    while sched.waiting or sched.prefilling:
+        _step(sched)
+    sched.finish(first, "stop")  # its KV is cached now
+    sched.add_request(Req("decoder", [7] * 20, SamplingParams(max_tokens=400), 0))
+    _step(sched)
+    sched.add_request(Req("long", list(range(20_000, 28_000)), SamplingParams(max_tokens=4), 0))
+    _step(sched)
+    _step(sched)
+    follow = Req("turn2", history + [5] + [9] * 10, SamplingParams(max_tokens=4), 0)
+    sched.add_request(follow)
+    ran = [_step(sched) for _ in range(2)]  # a decode step and a prefill step, in some order
+    assert "turn2" in ran[0] + ran[1], ran
+    assert follow.cached_tokens == 4000
+    sched.check_integrity()
+
+
+def test_no_prefix_matching_while_no_request_can_be_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every row busy, ordering the queue by cached prefix (lpm) would cost host time on
+    every decode step for nothing: the queue is not matched until a row frees."""
+    sched = Scheduler(
+        EngineConfig(schedule_policy="lpm"), max_total_tokens=10_000, max_context_len=10_000,
+        max_running=2,
+    )  # fmt: skip
+    for i in range(2):
+        sched.add_request(Req(f"d{i}", [i + 1] * 8, SamplingParams(max_tokens=6), 0))
+    _step(sched)
+    for i in range(4):
+        sched.add_request(Req(f"w{i}", [i + 10] * 40, SamplingParams(max_tokens=1), 0))
+    matched: list[int] = []
+    real = sched.tree.match_prefix
+    monkeypatch.setattr(sched.tree, "match_prefix", lambda key: matched.append(1) or real(key))
+    for _ in range(3):
+        assert _step(sched) == ["d0", "d1"]
+    assert not matched
+    for req in list(sched.running):
+        sched.finish(req, "length")
+    assert _step(sched)[:2] == ["w0", "w1"]
+    assert matched  # ordered (and admitted) once rows are free

@@ -24,6 +24,8 @@ from engine.mem_cache.allocator import TokenSlotAllocator
 
 ChildKey: TypeAlias = int | tuple[int, ...]
 
+MATCH_BLOCK = 64  # tokens compared at once when matching a key against a node's
+
 
 class TreeNode:
     """One edge of the radix tree: ``key[i]`` is a token id, ``value[i]`` its KV slot id."""
@@ -138,7 +140,16 @@ class RadixCache:
     def _match_len(self, node_key: list[int], key: Sequence[int], start: int, end: int) -> int:
         """Length of the common prefix of node_key and key[start:end], in whole pages."""
         n = min(len(node_key), end - start)
+        # Compared whole, then a block at a time (list slices compare in C), then token by
+        # token inside the first block that differs.
+        if node_key[:n] == key[start : start + n]:  # the common case: all of it
+            return self._aligned(n)
         i = 0
+        while i < n:
+            j = min(i + MATCH_BLOCK, n)
+            if node_key[i:j] != key[start + i : start + j]:
+                break
+            i = j
         while i < n and node_key[i] == key[start + i]:
             i += 1
         return self._aligned(i)

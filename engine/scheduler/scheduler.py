@@ -112,7 +112,8 @@ class Scheduler:
         if out is None and self.prefilling:
             # Only partly prefilled requests hold memory and none can proceed: push back all but
             # the oldest, whose input always fits once the others' slots are evictable.
-            for req in sorted(self.prefilling, key=lambda r: r.arrival)[1:]:
+            # (Newest first: each goes to the queue's front, so the older ones lead it.)
+            for req in sorted(self.prefilling, key=lambda r: r.arrival, reverse=True)[:-1]:
                 self.retract(req)
             out = self._schedule_prefill()
         self._last_mode = None if out is None else out.batch.mode
@@ -140,7 +141,14 @@ class Scheduler:
         """The (fixed seconds, seconds per token) line the budget uses, None before two sizes."""
         return self._prefill_cost.fit()
 
+    def _can_admit(self) -> bool:
+        return bool(self.free_rows) and self.num_running < self.max_running
+
     def _waiting_order(self) -> list[Req]:
+        """The waiting requests in the policy's order (none while no request can be admitted:
+        matching every queued prompt against the cache costs host time on every step)."""
+        if not self._can_admit():
+            return []
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             for req in self.waiting:
                 req.match_len_hint = len(self.tree.match_prefix(req.all_ids).slots)
@@ -159,8 +167,8 @@ class Scheduler:
         starved = [r for r in candidates if r.prefill_skips >= PREFILL_MAX_SKIPS]
         rest = [r for r in candidates if r.prefill_skips < PREFILL_MAX_SKIPS]
         queue = list(self.waiting)  # arrival order (retracted requests in front)
-        fits = [r for r in rest if r.fill_len - r.num_computed <= budget]
-        candidates = starved + fits + [r for r in rest if r.fill_len - r.num_computed > budget]
+        fits = [r for r in rest if _to_compute(r) <= budget]
+        candidates = starved + fits + [r for r in rest if _to_compute(r) > budget]
         admission_open = True
         for req in candidates:
             if budget <= 0:
@@ -218,7 +226,7 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Give a waiting request a req_to_token row and its cached prefix (locked)."""
-        if not self.free_rows or self.num_running >= self.max_running:
+        if not self._can_admit():
             return False
         # At least one token is always computed, so the last input token yields logits.
         match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
@@ -458,6 +466,14 @@ class Scheduler:
         """Fraction of slots held by requests or locked prefixes (evictable cache counts free)."""
         free = self.allocator.available_size() + self.tree.evictable_size()
         return 1.0 - free / self.allocator.size
+
+
+def _to_compute(req: Req) -> int:
+    """The input tokens a request has left to prefill; for a waiting one, those past the cached
+    prefix it matched when the queue was last ordered (`match_len_hint`, 0 without lpm)."""
+    if req.status == ReqStatus.WAITING:
+        return req.fill_len - min(req.match_len_hint, req.fill_len - 1)
+    return req.fill_len - req.num_computed
 
 
 def _ema(old: float | None, new: float) -> float:
