@@ -108,6 +108,14 @@ def test_non_streaming_returns_one_response(server: Server, offline: Any) -> Non
     assert out["text_output"] == PROMPT + expected
 
 
+def test_http_generate_takes_a_request_id_and_parameters(server: Server) -> None:
+    # The generate extension's "id" and sampling settings as request parameters (what
+    # vllm_backend reads when there is no `sampling_parameters` input).
+    body = {"id": "42", "text_input": PROMPT, "parameters": {"max_tokens": 4, "temperature": 0}}
+    out = post_json(server, "generate", body)
+    assert out["text_output"].startswith(PROMPT) and len(out["text_output"]) > len(PROMPT)
+
+
 def test_concurrent_streams_complete(server: Server, offline: Any) -> None:
     prompts = [f"Write a word that rhymes with {w}:" for w in ("cat", "dog", "sun", "tree")] * 2
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
