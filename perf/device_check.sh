@@ -39,6 +39,22 @@ step() {
     tail -n 4 "$OUT/$name.txt"
 }
 
+# abba NAME SECONDS COMMAND...: COMMAND as four processes, default, `--slots-ahead2`, the same,
+# default (each run's "{run}" in COMMAND's words replaced by its number); the logs in
+# $OUT/NAME<run>.txt, each one's tail shown.
+abba() {
+    local name=$1 limit=$2 run extra
+    shift 2
+    for run in 1 2 3 4; do
+        extra=""
+        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
+        echo "== $name $run ${extra:-(default)}"
+        timeout "$limit" "${@//\{run\}/$run}" $extra > "$OUT/$name$run.txt" 2>&1
+        echo "rc=$?"
+        tail -n 6 "$OUT/$name$run.txt"
+    done
+}
+
 # The default model's weights are not on the device: leave out the tests that need them.
 step pytest 590 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cuda_graph.py \
     tests/test_triton_backend.py tests/test_models_reference.py tests/test_kv_pool.py \
@@ -116,16 +132,8 @@ fi
 # (`--slots-ahead2`) against the default, alternated (default, ahead, ahead, default), then
 # the FP8 forms with ids two ahead held in L2. Only when named (`... ids_ahead_ab`).
 if [[ " $STEPS " == *" ids_ahead_ab "* ]]; then
-    for run in 1 2 3 4; do
-        extra=""
-        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
-        echo "== ids_ahead_ab $run ${extra:-(default)}"
-        timeout 150 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
-            --batches 16 64 128 --contexts 4096 16384 $extra --out "$OUT/ids_ahead_ab$run" \
-            > "$OUT/ids_ahead_ab$run.txt" 2>&1
-        echo "rc=$?"
-        grep '^| 16 |' "$OUT/ids_ahead_ab$run.txt" | tail -n 6
-    done
+    abba ids_ahead_ab 150 python3 perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 \
+        --batches 16 64 128 --contexts 4096 16384 --out "$OUT/ids_ahead_ab{run}"
     echo "== ids_ahead_l2"
     timeout 150 python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
         --fp8-forms a2 regs84a2 regs4a2q1 regs84a2q1 > "$OUT/ids_ahead_l2.txt" 2>&1
@@ -136,16 +144,8 @@ fi
 # default, FP8 KV at 64 and 256 requests, the two alternated twice (processes default, ahead,
 # ahead, default). Only when named (`bash perf/device_check.sh ids_ahead_engine`).
 if [[ " $STEPS " == *" ids_ahead_engine "* ]]; then
-    for run in 1 2 3 4; do
-        extra=""
-        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
-        echo "== ids_ahead_engine $run ${extra:-(default)}"
-        timeout 150 python3 perf/bench_engine.py --kv fp8 --ns 64,256 --skip-compile \
-            --skip-eager --profile-ns '' --time-budget 100 $extra \
-            --json "$OUT/ids_ahead_engine$run.json" > "$OUT/ids_ahead_engine$run.txt" 2>&1
-        echo "rc=$?"
-        tail -n 4 "$OUT/ids_ahead_engine$run.txt"
-    done
+    abba ids_ahead_engine 150 python3 perf/bench_engine.py --kv fp8 --ns 64,256 --skip-compile \
+        --skip-eager --profile-ns '' --time-budget 100 --json "$OUT/ids_ahead_engine{run}.json"
 fi
 # FP8 KV's prefill over a cached prefix (2.7% slower than bf16's at 4K prompts, run BA, before
 # `kv_store.gather_dequant` read the pool's rows in one kernel): its test, then the engine over

@@ -656,14 +656,14 @@ def _pv_regs_loop(lat_ring, pe_ring, q_s, q_pe_s, p_s, m_s, kv_ready, kv_empty, 
     """The attention group's tiles with V^T from registers (`pv_regs`; P buffers p_s [2, HEADS,
     BLOCK_N], the softmax's m_s [2, 4, HEADS]): per tile but the last, QK of the next tile is
     issued, then this tile's PV (`_pv_regs_tile`, P from the softmax before; with p_s in e4m3
-    as e4m3 wgmmas), and while PV runs on the tensor cores the next
-    tile's softmax (`_tile_softmax`) fills the other P buffer; the last tile's PV follows the
-    loop. All of a tile's wgmmas are waited for inside its iteration (a wgmma left in flight
-    across the loop's back edge made ptxas serialize every wgmma). A ring slot goes back to
-    the loader once every warp has read its V (the last one never: no tile follows it). The
-    running sums are kept per thread and summed across the warps once, at the end. An empty
-    split's QK and PV run on a stale slot, their results never stored. Returns the
-    accumulator, the running max and the sums."""
+    as e4m3 wgmmas), and while PV runs on the tensor cores the next tile's softmax
+    (`_tile_softmax`) fills the other P buffer; the last tile's PV follows the loop. All of a
+    tile's wgmmas are waited for inside its iteration (a wgmma left in flight across the
+    loop's back edge made ptxas serialize every wgmma). A ring slot goes back to the loader
+    once every warp has read its V (the last one never: no tile follows it). The running sums
+    are kept per thread and summed across the warps once, at the end. An empty split's QK and
+    PV run on a stale slot, their results never stored. Returns the accumulator, the running
+    max and the sums."""
     HEADS: gl.constexpr = p_s.shape[1]
     STAGES: gl.constexpr = lat_ring.shape[0]
     P8: gl.constexpr = p_s.dtype == gl.float8e4nv
