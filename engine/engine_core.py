@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import AutoTokenizer
 
@@ -49,6 +49,14 @@ class _ReqState:
     metrics: RequestMetrics
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
+
+
+class _TokenLogprobs(NamedTuple):
+    """A sampled token's raw log-probability, its rank, and the step's most likely tokens."""
+
+    value: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -209,9 +217,14 @@ class EngineCore:
         out = launched.out
         self.scheduler.record_step(out, sampled.seconds)
         next_ids = dict(zip(out.sample_rows, sampled.next_token_ids, strict=True))
-        logprobs: dict[int, float] = {}
+        logprobs: dict[int, _TokenLogprobs] = {}
         if sampled.logprobs is not None:
-            logprobs = dict(zip(out.sample_rows, sampled.logprobs, strict=True))
+            ranks = sampled.ranks or [0] * len(sampled.logprobs)
+            tops = sampled.top or [[]] * len(sampled.logprobs)
+            for row, value, rank, top in zip(
+                out.sample_rows, sampled.logprobs, ranks, tops, strict=True
+            ):
+                logprobs[row] = _TokenLogprobs(value, rank, top)
         row_of = {id(req): row for row, req in enumerate(out.reqs)}
         for req in self.scheduler.resolve_tokens(out, next_ids):
             row = row_of[id(req)]
@@ -229,15 +242,17 @@ class EngineCore:
             sorted(st.stop_ids) if below_min else [],
         )
 
-    def _on_token(self, state: _ReqState, token: int, logprob: float | None) -> None:
+    def _on_token(self, state: _ReqState, token: int, logprob: _TokenLogprobs | None) -> None:
         req, params = state.req, state.req.params
         if state.metrics.first_token is None:
             state.metrics.first_token = time.monotonic()
         delta = RequestOutput(request_id=req.rid, token_ids=[token])
-        if logprob is not None and params.logprobs:
-            delta.logprobs = [logprob]
         if logprob is not None and params.logprobs:  # other rows' values depend on the batch
-            state.cumulative_logprob += logprob
+            delta.logprobs = [logprob.value]
+            delta.logprob_ranks = [logprob.rank]
+            if params.top_logprobs:
+                delta.top_logprobs = [logprob.top[: params.top_logprobs]]
+            state.cumulative_logprob += logprob.value
         state.pending = delta
         if token in state.stop_ids:
             self._finish(state, "stop")

@@ -63,8 +63,11 @@ class LLM:
             out = results[delta.request_id]
             out.text += delta.text
             out.token_ids += delta.token_ids
-            if out.logprobs is not None:
+            if out.logprobs is not None and out.logprob_ranks is not None:
                 out.logprobs += delta.logprobs
+                out.logprob_ranks += delta.logprob_ranks
+            if out.top_logprobs is not None:
+                out.top_logprobs += delta.top_logprobs
             out.cumulative_logprob = delta.cumulative_logprob
             out.cached_tokens = delta.cached_tokens
             if delta.finished:
@@ -76,7 +79,14 @@ class LLM:
                 rid = f"llm-{next(self._ids)}"
                 order.append(rid)
                 results[rid] = CompletionOutput(
-                    rid, ids, "", [], "", logprobs=[] if p.logprobs else None
+                    rid,
+                    ids,
+                    "",
+                    [],
+                    "",
+                    logprobs=[] if p.logprobs else None,
+                    logprob_ranks=[] if p.logprobs else None,
+                    top_logprobs=[] if p.top_logprobs else None,
                 )
                 self.core.add_request(rid, ids, p, collect)
             while self.core.has_work():

@@ -34,7 +34,10 @@ class RequestMetrics:
 class RequestOutput:
     """One streamed step of a request (a delta), or the final result when `finished`.
 
-    `text`, `token_ids` and `logprobs` hold only what is new since the previous delta.
+    `text`, `token_ids` and the logprob lists hold only what is new since the previous delta;
+    with `logprobs` asked, `logprobs[i]` and `logprob_ranks[i]` are token i's raw
+    log-probability and rank (1: most likely), and with `top_logprobs` N, `top_logprobs[i]` the
+    N most likely (token id, logprob) pairs at its step, most likely first.
     Exactly one delta per request has `finished=True`; it carries `finish_reason`
     ("stop" | "length" | "abort") and, when the request failed, `error`.
     """
@@ -43,6 +46,8 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    logprob_ranks: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -65,6 +70,8 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     cumulative_logprob: float = 0.0
     cached_tokens: int = 0
+    logprob_ranks: list[int] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

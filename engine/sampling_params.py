@@ -23,7 +23,7 @@ class SamplingParamsError(ValueError):
     """
 
 
-_INT_FIELDS = ("max_tokens", "min_tokens", "top_k")
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "top_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
 
@@ -38,6 +38,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# The most top tokens a request may ask log-probabilities of, each step (vLLM's default
+# `max_logprobs`, OpenAI's `top_logprobs` bound).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -53,8 +56,10 @@ class SamplingParams:
       - `min_tokens` suppresses EOS / stop tokens until that many tokens were generated, and
         stop strings are looked for only in the text after them;
         `ignore_eos` keeps generating past EOS until `max_tokens`.
-      - `logprobs=True` asks for the log-probability of each chosen token (see `Sampler`);
-        on the wire vLLM's 0 and 1 mean the same.
+      - `logprobs=True` asks for the log-probability of each chosen token and its rank (1 for
+        the most likely token; see `Sampler`); `top_logprobs=N` (at most 20) adds the N most
+        likely tokens' and turns `logprobs` on. On the wire vLLM's form, `"logprobs": N`, means
+        `logprobs=True, top_logprobs=N` (0: the chosen token's alone).
       - `seed` makes this request's draws reproducible regardless of the batch it runs in.
       - Greedy decoding (`is_greedy`) is temperature 0 (or below 1e-5, as in vLLM) or top_k 1.
     """
@@ -71,6 +76,7 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     logprobs: bool = False
+    top_logprobs: int = 0
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -89,6 +95,8 @@ class SamplingParams:
             self.stop_token_ids = list(ids)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
+        if _is_int(self.top_logprobs) and self.top_logprobs > 0:
+            self.logprobs = True
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if _is_int(value):
@@ -134,6 +142,8 @@ class SamplingParams:
         if self.top_k >= 2**63:
             # (the sampler holds top_k in int64: a larger one would fail its batch's step)
             _fail("top_k", self.top_k, "must be below 2**63")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            _fail("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", self.min_p, "must be in [0, 1]")
         if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
@@ -165,12 +175,15 @@ class SamplingParams:
 
         Unknown keys are rejected by name. Numeric fields accept numeric strings ("16", "0.7"),
         boolean fields accept true/false and the strings "true"/"false". `n` is accepted only
-        when it equals 1 (one sequence per request is all this engine produces).
+        when it equals 1 (one sequence per request is all this engine produces). `logprobs`
+        may be vLLM's count of top tokens (an integer), which sets `top_logprobs` too.
         """
         if not isinstance(d, dict):
             raise SamplingParamsError(
                 f"sampling parameters must be a JSON object, got {type(d).__name__}"
             )
+        if _is_count(d.get("logprobs")):
+            d = d | _logprobs_count(d)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
@@ -215,6 +228,24 @@ def _fail(name: str, value: Any, why: str) -> NoReturn:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logprobs_count(d: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `"logprobs": N` as this engine's fields: `logprobs` on, `top_logprobs` N."""
+    count = _coerce_int("logprobs", d["logprobs"])
+    if not 0 <= count <= MAX_TOP_LOGPROBS:
+        why = f"must be true, false or a count of top tokens in [0, {MAX_TOP_LOGPROBS}]"
+        _fail("logprobs", d["logprobs"], why)
+    if "top_logprobs" in d and _coerce_int("top_logprobs", d["top_logprobs"]) != count:
+        _fail("top_logprobs", d["top_logprobs"], f"disagrees with logprobs={d['logprobs']!r}")
+    return {"logprobs": True, "top_logprobs": count}
+
+
+def _is_count(value: Any) -> bool:
+    """An integer as JSON or as a string ("5"), not a boolean nor "true"/"false"."""
+    if isinstance(value, str):
+        return value.strip().lstrip("+-").isdigit()
+    return _is_int(value) or (isinstance(value, float) and value.is_integer())
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -274,10 +305,4 @@ def _coerce_bool(name: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    if name == "logprobs" and _is_int(value) and value in (0, 1):
-        # vLLM's form: a count of top tokens. 0 (the chosen token's alone) and 1 are served;
-        # more top tokens are not, and are refused below.
-        return True
-    if name == "logprobs" and _is_int(value):
-        _fail(name, value, "only the chosen token's log-probability is served: true, false, 0 or 1")
     _fail(name, value, "must be true or false")

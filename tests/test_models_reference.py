@@ -62,6 +62,32 @@ def test_default_model_greedy_matches_transformers(default_model: str, hf_defaul
     assert outs[0].text == "The capital of France is Paris."
 
 
+def test_default_model_logprobs_match_transformers(default_model: str, hf_default) -> None:
+    """Greedy with 5 top tokens a step: each chosen token's logprob and rank, and the top
+    tokens and their logprobs, against transformers' scores of the same continuation."""
+    llm = LLM(default_model, **REFERENCE)
+    prompt = RAW_PROMPTS[1]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=5))[0]
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        logits = hf_default(ids).logits[0, len(out.prompt_token_ids) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    ref_top = torch.topk(ref, 5, dim=-1)
+    assert out.logprobs is not None and out.logprob_ranks is not None
+    assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.token_ids) == 8
+    for step, token in enumerate(out.token_ids):
+        assert out.logprobs[step] == pytest.approx(ref[step, token].item(), abs=1e-4)
+        assert out.logprob_ranks[step] == 1  # greedy
+        top_ids = [t for t, _ in out.top_logprobs[step]]
+        assert top_ids[0] == token
+        assert top_ids == ref_top.indices[step].tolist()
+        got = torch.tensor([p for _, p in out.top_logprobs[step]])
+        torch.testing.assert_close(got, ref_top.values[step], atol=1e-4, rtol=0)
+    chosen_only = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=True, seed=1))[0]
+    assert chosen_only.top_logprobs is None and chosen_only.logprob_ranks is not None
+    assert all(rank >= 1 for rank in chosen_only.logprob_ranks)
+
+
 MLA_CASES = {
     "v2-lite-like": dict(arch="v2", q_lora_rank=None, yarn=True),
     "v2-q-lora": dict(arch="v2", q_lora_rank=24),

@@ -277,6 +277,36 @@ def test_logprobs_are_raw_log_softmax_of_chosen() -> None:
     assert torch.equal(logits, before)  # input untouched
 
 
+def test_ranks_and_top_logprobs_against_a_sort() -> None:
+    """The chosen token's rank and the top tokens come from the raw distribution (sorted
+    independently here), whatever the row's temperature or penalty, as many a row as the
+    batch's largest `top_logprobs` (each request keeps its own count later)."""
+    torch.manual_seed(11)
+    logits = torch.randn(3, 64)
+    params = [
+        SamplingParams(temperature=0.0, top_logprobs=3),
+        SamplingParams(temperature=2.0, seed=3, logprobs=True),
+        SamplingParams(temperature=0.8, repetition_penalty=1.3, top_logprobs=5),
+    ]
+    gens = [None, make_generator(3, CPU), None]
+    out = Sampler()(logits, SamplingBatchInfo.from_params(params, gens, CPU), [[1], [2], [3]])
+    assert out.ranks is not None and out.top_ids is not None and out.top_logprobs is not None
+    raw = torch.log_softmax(logits, dim=-1)
+    order = torch.argsort(raw, dim=-1, descending=True)
+    for row, chosen in enumerate(out.next_token_ids.tolist()):
+        assert out.ranks[row] == order[row].tolist().index(chosen) + 1
+    assert out.ranks[0] == 1  # greedy picks the most likely
+    assert out.top_ids.shape == (3, 5)
+    assert torch.equal(out.top_ids, order[:, :5])
+    torch.testing.assert_close(out.top_logprobs, raw.gather(1, order[:, :5]))
+
+
+def test_top_logprobs_beyond_a_small_vocabulary() -> None:
+    info = SamplingBatchInfo.from_params([SamplingParams(top_logprobs=20)], [None], CPU)
+    out = Sampler()(torch.randn(1, 6), info)
+    assert out.top_ids is not None and sorted(out.top_ids[0].tolist()) == list(range(6))
+
+
 def test_no_logprobs_unless_asked_and_bf16_input() -> None:
     logits = torch.randn(2, 50).to(torch.bfloat16)
     info = SamplingBatchInfo.from_params([SamplingParams(temperature=0.0)] * 2, [None] * 2, CPU)

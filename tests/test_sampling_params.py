@@ -58,11 +58,33 @@ def test_validation_names_field_and_value(kwargs: dict[str, Any], field: str, va
     assert isinstance(e.value, ValueError)
 
 
-def test_logprobs_takes_vllms_counts_it_can_serve() -> None:
-    assert SamplingParams.from_dict({"logprobs": 1}).logprobs
-    assert SamplingParams.from_dict({"logprobs": 0}).logprobs  # the chosen token's alone
-    with pytest.raises(SamplingParamsError, match="logprobs=5: only the chosen token"):
-        SamplingParams.from_dict({"logprobs": 5})
+def test_logprobs_takes_vllms_count_of_top_tokens() -> None:
+    one = SamplingParams.from_dict({"logprobs": 1})
+    assert one.logprobs and one.top_logprobs == 1
+    zero = SamplingParams.from_dict({"logprobs": 0})  # the chosen token's alone
+    assert zero.logprobs and zero.top_logprobs == 0
+    assert SamplingParams.from_dict({"logprobs": "5"}).top_logprobs == 5
+    both = SamplingParams.from_dict({"logprobs": 3, "top_logprobs": 3})
+    assert both.logprobs and both.top_logprobs == 3
+    flag = SamplingParams.from_dict({"logprobs": "true"})
+    assert flag.logprobs and flag.top_logprobs == 0
+    assert SamplingParams(top_logprobs=2).logprobs  # top tokens turn the chosen one's on
+
+
+@pytest.mark.parametrize(
+    ("d", "match"),
+    [
+        ({"logprobs": 21}, r"logprobs=21: .* count of top tokens in \[0, 20\]"),
+        ({"top_logprobs": -1}, r"top_logprobs=-1: must be in \[0, 20\]"),
+        ({"logprobs": -2}, "logprobs=-2: must be true, false or a count of top tokens"),
+        ({"logprobs": 2, "top_logprobs": 4}, "top_logprobs=4: disagrees with logprobs=2"),
+        ({"top_logprobs": "many"}, "top_logprobs='many': must be an integer"),
+        ({"logprobs": "yes"}, "logprobs='yes': must be true or false"),
+    ],
+)
+def test_bad_logprob_counts_are_named(d: dict[str, object], match: str) -> None:
+    with pytest.raises(SamplingParamsError, match=match):
+        SamplingParams.from_dict(d)
 
 
 def test_normalization() -> None:

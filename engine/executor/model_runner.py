@@ -473,15 +473,14 @@ class ModelRunner:
                 started = torch.cuda.Event(enable_timing=True)
                 started.record(torch.cuda.current_stream(self.device))
             logits = self.forward(batch)
-            next_ids = logprobs = None
+            chosen = None
             if sample_rows:
                 if sample_rows != list(range(logits.shape[0])):  # decode: every row, in order
                     rows = host_to_device(sample_rows, torch.int64, logits.device)
                     logits = logits[rows]
                 chosen = self._sample(logits, requests)
-                next_ids, logprobs = chosen.next_token_ids, chosen.logprobs
-            self._last_sampled = next_ids
-            return LaunchedStep(self.device, next_ids, logprobs, started, t0)
+            self._last_sampled = None if chosen is None else chosen.next_token_ids
+            return LaunchedStep(self.device, chosen, started, t0)
 
     def forward_and_sample(
         self, batch: ScheduledBatch, sample_rows: list[int], requests: list[SampleRequest]

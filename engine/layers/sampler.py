@@ -69,6 +69,9 @@ def argmax_suffices(params: SamplingParams, suppressed_token_ids: list[int]) -> 
 class SampleOutput(NamedTuple):
     next_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32; None unless some request asked for logprobs
+    ranks: torch.Tensor | None = None  # [B] int64, the chosen token's rank (1: most likely)
+    top_ids: torch.Tensor | None = None  # [B, K] int64, K the batch's largest top_logprobs
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32, most likely first
 
 
 @dataclass
@@ -96,6 +99,7 @@ class SamplingBatchInfo:
     need_top_p: bool
     need_min_p: bool
     return_logprobs: bool
+    max_top_logprobs: int  # the largest `top_logprobs` of the batch's requests
     device: torch.device
 
     @property
@@ -153,6 +157,7 @@ class SamplingBatchInfo:
             need_top_p=any(p.top_p < 1.0 for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             return_logprobs=any(p.logprobs for p in params),
+            max_top_logprobs=max((p.top_logprobs for p in params), default=0),
             device=dev,
         )
 
@@ -238,8 +243,10 @@ class Sampler(torch.nn.Module):
       - `logprobs[i]` (when any request asked) is the log-probability of the chosen token under
         the raw model distribution, log_softmax of the unprocessed logits. This is vLLM's default
         ("raw logprobs"): it does not change with temperature or penalties, so a client can
-        compare it across sampling settings. Rows that did not ask get a value too; callers
-        ignore it.
+        compare it across sampling settings. `ranks[i]` is its rank there (1 + the number of
+        tokens more likely), and `top_ids` / `top_logprobs` the batch's largest
+        `top_logprobs` count of most likely tokens a row, most likely first.
+        Rows that did not ask get values too; callers ignore them.
     The input logits are not modified.
     """
 
@@ -250,7 +257,7 @@ class Sampler(torch.nn.Module):
         token_history: list[list[int]] | None = None,
     ) -> SampleOutput:
         raw = logits.float()
-        batch, _vocab = raw.shape
+        batch, vocab = raw.shape
         if batch != info.batch_size:
             raise ValueError(f"logits have {batch} rows, sampling info {info.batch_size}")
 
@@ -272,10 +279,16 @@ class Sampler(torch.nn.Module):
         else:
             next_ids = self._sample(penalized, info)
 
-        logprobs = None
-        if info.return_logprobs:
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, next_ids.view(-1, 1)).view(-1)
-        return SampleOutput(next_ids, logprobs)
+        if not info.return_logprobs:
+            return SampleOutput(next_ids, None)
+        all_logprobs = torch.log_softmax(raw, dim=-1)
+        logprobs = all_logprobs.gather(1, next_ids.view(-1, 1))
+        ranks = (all_logprobs > logprobs).sum(dim=-1) + 1
+        top_ids = top_logprobs = None
+        if info.max_top_logprobs:
+            count = min(info.max_top_logprobs, vocab)
+            top_logprobs, top_ids = torch.topk(all_logprobs, count, dim=-1)
+        return SampleOutput(next_ids, logprobs.view(-1), ranks, top_ids, top_logprobs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

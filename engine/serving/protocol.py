@@ -8,6 +8,7 @@ outputs into `pb_utils` tensors out. See config.pbtxt for the inputs and outputs
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,8 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         text=first.text + then.text,
         token_ids=first.token_ids + then.token_ids,
         logprobs=first.logprobs + then.logprobs,
+        logprob_ranks=first.logprob_ranks + then.logprob_ranks,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
     )
 
 
@@ -146,6 +149,20 @@ def coalesce(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         if kind == "stop":
             break
     return merged
+
+
+def token_decoder(tokenizer: Any) -> Callable[[int], str] | None:
+    """A token id's text as `logprobs`' `decoded_token` gives it (the tokenizer's decoding of
+    the id alone, cached), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+
+    @functools.lru_cache(maxsize=65536)
+    def decode(token_id: int) -> str:
+        text: str = tokenizer.decode([token_id])
+        return text
+
+    return decode
 
 
 def _flag(get: InputGetter, name: str, default: bool | None) -> bool | None:
@@ -174,6 +191,7 @@ class Stream:
     sender: Any  # the model's response sender; unused here
     req: ParsedRequest
     timer: RequestTimer = field(default_factory=RequestTimer)
+    decode_token: Callable[[int], str] | None = None  # a token id's text; None: no tokenizer
     texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # every token's so far
     logprobs_sent: int = 0  # streaming: how many of them went out
@@ -196,8 +214,7 @@ class Stream:
             if returns["return_logprobs"]:
                 # NOTE: kept for every token, also those whose text is held back (part of a
                 # character, or of what may be a stop string): the next reply carries them.
-                pairs = zip(out.token_ids, out.logprobs, strict=False)
-                self.logprobs.extend({str(t): {"logprob": p}} for t, p in pairs)
+                self.logprobs.extend(self._token_logprobs(out))
         if not out.finished:
             if self.cancelled:
                 return None
@@ -216,6 +233,23 @@ class Stream:
             return Reply(self._outputs(out, out.text, len(out.token_ids)), final=True)
         text = self.req.prefix + "".join(self.texts) + out.text
         return Reply(self._outputs(out, text, self.num_output_tokens), final=True)
+
+    def _token_logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """vllm_backend's `logprobs` entries of the delta's tokens: per token, the chosen and
+        the top tokens by id, each with its logprob, rank (1: most likely) and text."""
+        entries: list[dict[str, Any]] = []
+        tops = out.top_logprobs or [[] for _ in out.token_ids]
+        for token, logprob, rank, top in zip(
+            out.token_ids, out.logprobs, out.logprob_ranks, tops, strict=False
+        ):
+            ranked = [(t, p, r) for r, (t, p) in enumerate(top, start=1)] + [(token, logprob, rank)]
+            entry: dict[str, Any] = {}
+            for t, p, r in ranked:  # (the chosen last: its own rank wins over a tie's)
+                entry[str(t)] = {"logprob": p, "rank": r}
+                if self.decode_token is not None:
+                    entry[str(t)]["decoded_token"] = self.decode_token(t)
+            entries.append(entry)
+        return entries
 
     def _outputs(self, out: RequestOutput, text: str, num_tokens: int) -> list[Output]:
         returns = self.req.returns

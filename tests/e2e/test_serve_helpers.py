@@ -35,6 +35,7 @@ from engine.serving.protocol import (
     coalesce,
     parse_request,
     rejection,
+    token_decoder,
 )
 
 HEAVY = ("torch", "transformers", "numpy", "tritonclient", "triton")
@@ -307,12 +308,14 @@ def test_stream_replies() -> None:
     assert done == Reply(final=True, error="boom")
 
 
-def _logprob_deltas(rid: str) -> list[RequestOutput]:
-    """Four one-token deltas; the second's text is held back (part of a character)."""
+def _logprob_deltas(rid: str, top: bool = False) -> list[RequestOutput]:
+    """Four one-token deltas; the second's text is held back (part of a character). Token i+1
+    is of rank i+1; with `top`, each step's two most likely are tokens 1 and 9."""
     texts = ["a", "", "\u00e9", "b"]
     return [
         RequestOutput(
-            rid, text=t, token_ids=[i + 1], logprobs=[-0.1 * (i + 1)], finished=i == 3,
+            rid, text=t, token_ids=[i + 1], logprobs=[-0.1 * (i + 1)], logprob_ranks=[i + 1],
+            top_logprobs=[[(1, -0.1), (9, -0.15)]] if top else [], finished=i == 3,
             finish_reason="length" if i == 3 else None,
         )
         for i, t in enumerate(texts)
@@ -331,7 +334,9 @@ def test_logprobs_cover_every_token(stream: bool) -> None:
         for r in replies
         if r is not None
     ]
-    expected = [{str(i + 1): {"logprob": pytest.approx(-0.1 * (i + 1))}} for i in range(4)]
+    expected = [
+        {str(i + 1): {"logprob": pytest.approx(-0.1 * (i + 1)), "rank": i + 1}} for i in range(4)
+    ]
     assert [e for part in sent for e in part] == expected
     if stream:
         assert replies[1] is None and len(sent) == 3  # the held-back token's went with the next
@@ -339,14 +344,52 @@ def test_logprobs_cover_every_token(stream: bool) -> None:
         assert replies[:3] == [None, None, None] and len(sent) == 1
 
 
+def test_logprobs_with_top_tokens_and_their_text() -> None:
+    """vllm_backend's form: a token's entry holds the chosen and the top tokens by id, each
+    with its logprob, rank and decoded text; a chosen token among the top appears once."""
+    returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_logprobs": True}
+    req = ParsedRequest("P", SamplingParams(logprobs=True, top_logprobs=2), False, returns)
+    s = Stream("r", None, req, decode_token=lambda t: f"<{t}>")
+    replies = [s.on_delta(d) for d in _logprob_deltas("r", top=True)]
+    assert replies[3] is not None and replies[3].outputs is not None
+    sent = json.loads(dict((n, v) for n, v, _ in replies[3].outputs)["logprobs"])
+    top = {
+        "1": {"logprob": pytest.approx(-0.1), "rank": 1, "decoded_token": "<1>"},
+        "9": {"logprob": pytest.approx(-0.15), "rank": 2, "decoded_token": "<9>"},
+    }
+    assert sent[0] == top  # token 1 was chosen: once
+    chosen = {"logprob": pytest.approx(-0.3), "rank": 3, "decoded_token": "<3>"}
+    assert sent[2] == top | {"3": chosen}
+    assert len(sent) == 4
+
+
+def test_token_decoder_decodes_each_id_alone_once() -> None:
+    calls: list[list[int]] = []
+
+    class Tokenizer:
+        def decode(self, ids: list[int]) -> str:
+            calls.append(ids)
+            return f"t{ids[0]}"
+
+    decode = token_decoder(Tokenizer())
+    assert decode is not None and [decode(5), decode(5), decode(7)] == ["t5", "t5", "t7"]
+    assert calls == [[5], [7]]
+    assert token_decoder(None) is None
+
+
 def test_coalesce_merges_each_requests_queued_deltas() -> None:
-    a1 = RequestOutput("a", text="He", token_ids=[1], logprobs=[-0.1], num_output_tokens=1)
+    a1 = RequestOutput(
+        "a", text="He", token_ids=[1], logprobs=[-0.1], logprob_ranks=[2],
+        top_logprobs=[[(5, -0.05)]], num_output_tokens=1,
+    )  # fmt: skip
     b1 = RequestOutput("b", text="x", token_ids=[7], num_output_tokens=1)
     a2 = RequestOutput(
-        "a", text="llo", token_ids=[2, 3], logprobs=[-0.2, -0.3], num_output_tokens=3
-    )
+        "a", text="llo", token_ids=[2, 3], logprobs=[-0.2, -0.3], logprob_ranks=[1, 4],
+        top_logprobs=[[(2, -0.2)], [(6, -0.1)]], num_output_tokens=3,
+    )  # fmt: skip
     a3 = RequestOutput(
-        "a", text="!", token_ids=[4], logprobs=[-0.4], finished=True, finish_reason="length",
+        "a", text="!", token_ids=[4], logprobs=[-0.4], logprob_ranks=[3], finished=True,
+        finish_reason="length",
         num_output_tokens=4, cumulative_logprob=-1.0,
     )  # fmt: skip
     new_c = object()
@@ -356,6 +399,8 @@ def test_coalesce_merges_each_requests_queued_deltas() -> None:
     a = merged[0][1]
     assert (a.request_id, a.text, a.token_ids) == ("a", "Hello!", [1, 2, 3, 4])
     assert a.logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert a.logprob_ranks == [2, 1, 4, 3]
+    assert a.top_logprobs == [[(5, -0.05)], [(2, -0.2)], [(6, -0.1)]]
     assert a.finished and a.finish_reason == "length" and a.num_output_tokens == 4
     assert a.cumulative_logprob == -1.0
     assert merged[1] == ("out", b1) and merged[2] == ("new", new_c)

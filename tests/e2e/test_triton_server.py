@@ -116,6 +116,40 @@ def test_http_generate_takes_a_request_id_and_parameters(server: Server) -> None
     assert out["text_output"].startswith(PROMPT) and len(out["text_output"]) > len(PROMPT)
 
 
+def test_logprobs_with_top_tokens(server: Server, offline: Any) -> None:
+    """vllm_backend's `logprobs` output for vLLM's `"logprobs": 2`: per token the chosen and
+    the two most likely tokens by id, each with its logprob, rank and text, as the offline
+    engine scores them."""
+    params = {**GREEDY, "max_tokens": 4, "logprobs": 2}
+    ref = offline.generate([PROMPT], SamplingParams.from_dict(params))[0]
+    body = {
+        "text_input": PROMPT,
+        "sampling_parameters": json.dumps(params),
+        "return_logprobs": True,
+        "exclude_input_in_output": True,
+    }
+    out = post_json(server, "generate", body)
+    entries = json.loads(out["logprobs"]) if isinstance(out["logprobs"], str) else out["logprobs"]
+    assert out["text_output"] == ref.text and len(entries) == len(ref.token_ids) == 4
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    for entry, token, logprob, top in zip(
+        entries, ref.token_ids, ref.logprobs, ref.top_logprobs, strict=True
+    ):
+        assert entry[str(token)]["rank"] == 1  # greedy
+        assert entry[str(token)]["logprob"] == pytest.approx(logprob, abs=1e-4)
+        assert set(entry) == {str(t) for t, _ in top} and len(entry) == 2
+        for rank, (t, lp) in enumerate(top, start=1):
+            assert entry[str(t)]["rank"] == rank
+            assert entry[str(t)]["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert entry[str(t)]["decoded_token"] == tokenizer.decode([t])
+    bad = {"text_input": PROMPT, "sampling_parameters": json.dumps({"logprobs": 50})}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post_json(server, "generate", bad)
+    assert "logprobs=50: must be true, false or a count of top tokens in [0, 20]" in (
+        err.value.read().decode()
+    )
+
+
 def test_concurrent_streams_complete(server: Server, offline: Any) -> None:
     prompts = [f"Write a word that rhymes with {w}:" for w in ("cat", "dog", "sun", "tree")] * 2
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -52,6 +52,7 @@ class TritonPythonModel:
         from engine.metrics import MetricsExporter
         from engine.serving.disconnects import HttpDisconnects
         from engine.serving.lifecycle import ServerLifecycle, grace_from_env
+        from engine.serving.protocol import token_decoder
 
         self.lifecycle = ServerLifecycle(grace_from_env())  # before the load: a stop drains too
         instances = model_instances(model_config)
@@ -72,6 +73,7 @@ class TritonPythonModel:
             # (a dead tensor-parallel worker ends the stub here too, as a dead engine process
             # does: the model must not stay ready while every request fails)
             self.engine = AsyncEngine(config, on_dead=self._engine_died)
+        self._decode_token = token_decoder(self.engine.tokenizer)
         # NOTE: one series per model instance (instance_group count > 1 runs an engine each):
         # with model and version alone, each instance's gauges overwrote the others'.
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -99,7 +101,7 @@ class TritonPythonModel:
             except Exception as e:  # BadRequest, SamplingParamsError, a bad parameters field
                 self.queue.put(("error", (sender, str(e))))
                 continue
-            st = Stream(uuid.uuid4().hex, sender, req, timer)
+            st = Stream(uuid.uuid4().hex, sender, req, timer, self._decode_token)
             self.queue.put(("new", st))  # queued before any delta of this request can be
             try:
                 self.engine.add_request(st.request_id, req.prompt, req.params, self._on_output)
