@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import pytest
@@ -175,6 +176,27 @@ def test_evict_lru_order_and_parents_become_leaves() -> None:
     cache.check_integrity(0)
 
 
+def test_eviction_entries_stay_bounded_and_in_order() -> None:
+    """Requests that lock and release the same cached prompts leave entries behind in the
+    eviction order; they are dropped when they pile up, and eviction still takes the least
+    recently used prompt first."""
+    cache = make(64)
+    prompts = [[10 * i + k for k in range(4)] for i in range(3)]
+    for prompt in prompts:
+        cache.cache_finished(prompt, alloc(cache, 4))
+    for turn in range(3000):
+        m = cache.match_prefix(prompts[turn % 3])
+        cache.inc_lock_ref(m.last_node)
+        cache.dec_lock_ref(m.last_node)
+        assert len(cache._lru) <= 2 * 3 + 1024 + 1
+    cache.check_integrity(0)
+    cache.match_prefix(prompts[0])  # the order now: prompts 1, 2, 0
+    assert cache.evict(4) == 4
+    assert cache.match_prefix(prompts[1]).slots == []
+    assert [len(cache.match_prefix(prompts[i]).slots) for i in (0, 2)] == [4, 4]
+    cache.check_integrity(0)
+
+
 def test_evict_zero_and_reset() -> None:
     cache = make(16)
     cache.cache_finished([1, 2, 3], alloc(cache, 3))
@@ -300,6 +322,31 @@ def check_tree_slots(cache: RadixCache, slot_prefix: dict[int, tuple[int, ...]])
         stack.extend((c, path) for c in node.children.values())
 
 
+def naive_evict(cache: RadixCache, num_tokens: int) -> set[int]:
+    """The slots that evicting `num_tokens` frees, found by walking the whole tree (the
+    eviction order by definition: least recently used unlocked leaf first, ties by node id,
+    a parent a candidate once its last child goes); the tree is not changed."""
+    children = {id(n): len(n.children) for n in cache._nodes()}
+    heap = [(n.last_access_time, n.id, n) for n in cache._nodes() if not n.children]
+    heap = [e for e in heap if not e[2].lock_ref]
+    heapq.heapify(heap)
+    freed: set[int] = set()
+    while len(freed) < num_tokens and heap:
+        _, _, node = heapq.heappop(heap)
+        freed.update(node.value)
+        parent = node.parent
+        assert parent is not None
+        if parent is not cache.root:
+            children[id(parent)] -= 1
+            if not children[id(parent)] and not parent.lock_ref:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+    return freed
+
+
+def cached_slots(cache: RadixCache) -> set[int]:
+    return {s for n in cache._nodes() for s in n.value}
+
+
 @pytest.mark.parametrize(("page_size", "size", "seed"), [(1, 48, 0), (1, 32, 1), (4, 64, 2)])
 def test_randomized_simulation(page_size: int, size: int, seed: int) -> None:
     rng = random.Random(seed)
@@ -319,7 +366,10 @@ def test_randomized_simulation(page_size: int, size: int, seed: int) -> None:
         cur = len(req.slots)
         need_pages = -(-(cur + n_new) // p) - (-(-cur // p))
         if need_pages * p > alloc_.available_size():
-            cache.evict(need_pages * p - alloc_.available_size())
+            short = need_pages * p - alloc_.available_size()
+            before, expected = cached_slots(cache), naive_evict(cache, short)
+            assert cache.evict(short) == len(expected)
+            assert before - cached_slots(cache) == expected
         firsts = alloc_.alloc_pages(need_pages)
         if firsts is None:
             return False
