@@ -62,7 +62,13 @@ def _record_placeholders(llm: LLM) -> list[int]:
 
 
 def _summary(outs: list[CompletionOutput]) -> list[tuple[Any, ...]]:
-    return [(o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob) for o in outs]
+    return [
+        (
+            o.token_ids, o.text, o.finish_reason, o.logprobs, o.cumulative_logprob,
+            o.logprob_ranks, o.top_logprobs,
+        )
+        for o in outs
+    ]  # fmt: skip
 
 
 def _assert_same(serial: list[tuple[Any, ...]], overlap: list[tuple[Any, ...]]) -> None:
@@ -114,11 +120,17 @@ def test_overlap_greedy_equals_serial(which: str, request: pytest.FixtureRequest
     prompts = _prompts(14)
     rng = random.Random(1)
     params = [
-        SamplingParams(max_tokens=rng.randrange(2, 16), logprobs=i % 3 == 0, **GREEDY)
+        SamplingParams(
+            max_tokens=rng.randrange(2, 16), logprobs=i % 3 == 0, top_logprobs=i % 2, **GREEDY
+        )
         for i in range(len(prompts))
     ]
     serial, overlap, a, b = _both(model, prompts, params)
     _assert_same(serial, overlap)
+    for tokens, _, _, logprobs, _, ranks, tops in serial + overlap:
+        # greedy: each token the most likely one, the first of its step's top tokens
+        assert ranks is None or (logprobs is not None and ranks == [1] * len(tokens))
+        assert tops is None or [top[0][0] for top in tops] == tokens
     for sched in (a.core.scheduler, b.core.scheduler):
         assert sched.counters.cache_hit_tokens > 0
         assert sched.counters.generation_tokens == sum(len(o[0]) for o in serial)
@@ -328,7 +340,7 @@ def test_overlap_decode_launch_does_not_synchronize(
         SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY),
         SamplingParams(max_tokens=8, temperature=0.7, top_k=20, top_p=0.9, seed=3),
         SamplingParams(max_tokens=8, min_tokens=4, logprobs=True, **GREEDY),
-        SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05),
+        SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05, top_logprobs=3),
         SamplingParams(max_tokens=8, repetition_penalty=1.2, **GREEDY),
     ]
     for p in params:  # each kind alone (batches of one kind), then all together
