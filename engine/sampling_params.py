@@ -182,8 +182,8 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"sampling parameters must be a JSON object, got {type(d).__name__}"
             )
-        if _is_count(d.get("logprobs")):
-            d = d | _logprobs_count(d)
+        logprob_keys = ("logprobs", "top_logprobs")
+        d = {k: v for k, v in d.items() if k not in logprob_keys} | _logprob_fields(d)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
@@ -230,21 +230,38 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _logprobs_count(d: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `"logprobs": N` as this engine's fields: `logprobs` on, `top_logprobs` N."""
-    count = _coerce_int("logprobs", d["logprobs"])
-    if not 0 <= count <= MAX_TOP_LOGPROBS:
-        why = f"must be true, false or a count of top tokens in [0, {MAX_TOP_LOGPROBS}]"
-        _fail("logprobs", d["logprobs"], why)
-    if "top_logprobs" in d and _coerce_int("top_logprobs", d["top_logprobs"]) != count:
-        _fail("top_logprobs", d["top_logprobs"], f"disagrees with logprobs={d['logprobs']!r}")
-    return {"logprobs": True, "top_logprobs": count}
+def _logprob_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The wire's logprob settings as the two fields: vLLM's `"logprobs": N` (a count of top
+    tokens: logprobs on, top_logprobs N) or a flag, and `top_logprobs`; null is absent."""
+    fields: dict[str, Any] = {}
+    top = d.get("top_logprobs")
+    if top is not None:
+        fields["top_logprobs"] = _coerce_int("top_logprobs", top)
+    value = d.get("logprobs")
+    if value is None:
+        return fields
+    if _is_count(value):
+        count = _coerce_int("logprobs", value)
+        if not 0 <= count <= MAX_TOP_LOGPROBS:
+            why = f"must be true, false or a count of top tokens in [0, {MAX_TOP_LOGPROBS}]"
+            _fail("logprobs", value, why)
+        if fields.get("top_logprobs", count) != count:
+            _fail("top_logprobs", top, f"disagrees with logprobs={value!r}")
+        return {"logprobs": True, "top_logprobs": count}
+    fields["logprobs"] = _coerce_bool("logprobs", value)
+    if not fields["logprobs"] and fields.get("top_logprobs"):
+        _fail("top_logprobs", top, f"asks for top tokens with logprobs={value!r}")
+    return fields
 
 
 def _is_count(value: Any) -> bool:
-    """An integer as JSON or as a string ("5"), not a boolean nor "true"/"false"."""
-    if isinstance(value, str):
-        return value.strip().lstrip("+-").isdigit()
+    """An integer as JSON or as a string ("5", "5.0"), not a boolean nor "true"/"false"."""
+    if isinstance(value, str) and value.strip().lower() not in ("true", "false"):
+        try:
+            _coerce_int("logprobs", value)
+        except SamplingParamsError:
+            return False
+        return True
     return _is_int(value) or (isinstance(value, float) and value.is_integer())
 
 

@@ -69,6 +69,12 @@ def test_logprobs_takes_vllms_count_of_top_tokens() -> None:
     flag = SamplingParams.from_dict({"logprobs": "true"})
     assert flag.logprobs and flag.top_logprobs == 0
     assert SamplingParams(top_logprobs=2).logprobs  # top tokens turn the chosen one's on
+    assert SamplingParams.from_dict({"logprobs": "5.0"}).top_logprobs == 5
+    nulls = SamplingParams.from_dict({"logprobs": None, "top_logprobs": None})  # OpenAI's
+    assert not nulls.logprobs and nulls.top_logprobs == 0
+    assert SamplingParams.from_dict({"logprobs": 3, "top_logprobs": None}).top_logprobs == 3
+    openai = SamplingParams.from_dict({"logprobs": True, "top_logprobs": 4})
+    assert openai.logprobs and openai.top_logprobs == 4
 
 
 @pytest.mark.parametrize(
@@ -80,6 +86,7 @@ def test_logprobs_takes_vllms_count_of_top_tokens() -> None:
         ({"logprobs": 2, "top_logprobs": 4}, "top_logprobs=4: disagrees with logprobs=2"),
         ({"top_logprobs": "many"}, "top_logprobs='many': must be an integer"),
         ({"logprobs": "yes"}, "logprobs='yes': must be true or false"),
+        ({"logprobs": False, "top_logprobs": 3}, "top_logprobs=3: asks for top tokens with"),
     ],
 )
 def test_bad_logprob_counts_are_named(d: dict[str, object], match: str) -> None:

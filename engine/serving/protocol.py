@@ -31,6 +31,9 @@ RETURN_FLAGS = (
 # start with "triton_".
 REQUEST_KEYS = ("id", "priority", "timeout")
 
+# The logprob reported for a token of probability 0 (vLLM's OpenAI server's value).
+LOGPROB_FLOOR = -9999.0
+
 # name -> the first element of that input tensor (bytes, str, bool, numpy scalar), None if absent
 InputGetter = Callable[[str], Any]
 
@@ -245,7 +248,8 @@ class Stream:
             ranked = [(t, p, r) for r, (t, p) in enumerate(top, start=1)] + [(token, logprob, rank)]
             entry: dict[str, Any] = {}
             for t, p, r in ranked:  # (the chosen last: its own rank wins over a tie's)
-                entry[str(t)] = {"logprob": p, "rank": r}
+                # (-inf, a token the model rules out, is no JSON number: vLLM's floor instead)
+                entry[str(t)] = {"logprob": max(p, LOGPROB_FLOOR), "rank": r}
                 if self.decode_token is not None:
                     entry[str(t)]["decoded_token"] = self.decode_token(t)
             entries.append(entry)

@@ -361,6 +361,14 @@ def test_logprobs_with_top_tokens_and_their_text() -> None:
     chosen = {"logprob": pytest.approx(-0.3), "rank": 3, "decoded_token": "<3>"}
     assert sent[2] == top | {"3": chosen}
     assert len(sent) == 4
+    ruled_out = RequestOutput(
+        "q", token_ids=[7], logprobs=[float("-inf")], logprob_ranks=[50], finished=True
+    )
+    s = Stream("q", None, ParsedRequest("P", SamplingParams(logprobs=True), False, returns))
+    reply = s.on_delta(ruled_out)
+    assert reply is not None and reply.outputs is not None
+    sent = json.loads(dict((n, v) for n, v, _ in reply.outputs)["logprobs"])
+    assert sent == [{"7": {"logprob": -9999.0, "rank": 50}}]  # strict JSON: no -Infinity
 
 
 def test_token_decoder_decodes_each_id_alone_once() -> None:
