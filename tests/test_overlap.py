@@ -273,7 +273,7 @@ def test_overlap_with_cuda_graphs_equals_serial(which: str, request: pytest.Fixt
     params = [
         SamplingParams(max_tokens=16, stop_token_ids=[r.token_ids[4 + i % 6]], **GREEDY)
         if i % 2
-        else SamplingParams(max_tokens=16, temperature=0.8, seed=i, logprobs=True)
+        else SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_logprobs=i % 4)
         for i, r in enumerate(reference)
     ]
     results = {}
@@ -290,6 +290,14 @@ def test_overlap_with_cuda_graphs_equals_serial(which: str, request: pytest.Fixt
         assert llm.core.overlap is overlap
         outs = llm.generate(prompts, params)
         results[graphs, overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        for p, o in zip(params, outs, strict=True):
+            if p.top_logprobs:  # each step's top tokens, the chosen one among them by its rank
+                assert o.top_logprobs is not None and o.logprob_ranks is not None
+                assert [len(top) for top in o.top_logprobs] == [p.top_logprobs] * len(o.token_ids)
+                for token, rank, top in zip(
+                    o.token_ids, o.logprob_ranks, o.top_logprobs, strict=True
+                ):
+                    assert (rank <= len(top)) == (token in dict(top))
         if graphs:
             assert llm.core.runner.graph_runner is not None
             assert llm.core.runner.graph_runner.replays > 0
