@@ -56,7 +56,8 @@ def main() -> None:
         "(the same, PV as e4m3 wgmmas with P in e4m3), conv (the converter warps' form with 3 "
         "e4m3 tiles), with an 'a2' suffix slot ids read two tiles "
         "ahead, with a 'q1' suffix q as one e4m3 term (q1 alone: the engine's form with one "
-        "term; a2 alone: the engine's form with ids two tiles ahead)",
+        "term; a2 alone: the engine's form with ids two tiles ahead); '@N' after a form: N "
+        "splits a request (regs2@16: two programs an SM where they fit)",
     )  # fmt: skip
     ap.add_argument(
         "--l2", action="store_true",
@@ -129,10 +130,13 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
     others = [s for s in args.splits if s != splits]
     cells.append(", ".join(f"{s}: {t(functools.partial(call, num_kv_splits=s))}" for s in others))
     forms = []
-    for form in args.fp8_forms if fp8 else []:
-        alt = form_config(cfg, form)
-        err = (call(config=alt).float() - call().float()).abs().max().item()
-        forms.append(f"{form}: {t(functools.partial(call, config=alt))} (err {err:.1e})")
+    for name in args.fp8_forms if fp8 else []:
+        form, _, count = name.partition("@")
+        alt_call = functools.partial(call, config=form_config(cfg, form))
+        if count:
+            alt_call = functools.partial(alt_call, num_kv_splits=int(count))
+        err = (alt_call().float() - call().float()).abs().max().item()
+        forms.append(f"{name}: {t(alt_call)} (err {err:.1e})")
     cells.append(", ".join(forms) or "-")
     return "| " + " | ".join(str(x) for x in cells) + " |"
 

@@ -14,8 +14,8 @@
 #                                                  offline_llama offline_v2lite offline_v2lite_page64
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
 #                                                  heads128, issue16, ids_ahead, ids_ahead_ab,
-#                                                  ids_ahead_engine, fp8_prefill and tile_clock
-#                                                  only when named)
+#                                                  ids_ahead_engine, fp8_prefill, tile_clock
+#                                                  and two_programs only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -139,6 +139,17 @@ if [[ " $STEPS " == *" ids_ahead_ab "* ]]; then
         --fp8-forms a2 regs84a2 regs4a2q1 regs84a2q1 > "$OUT/ids_ahead_l2.txt" 2>&1
     echo "rc=$?"
     grep '^| fp8' "$OUT/ids_ahead_l2.txt"
+fi
+# Two programs an SM: the register-V form with 2 or 3 e4m3 tiles (74-110 KB of shared
+# memory) at twice the engine's split count, so that two attention warp groups share each SM's
+# tensor cores (batch 16 ctx 16K is held by one group's wgmma issue, run AY), from HBM and in
+# L2. Only when named (`bash perf/device_check.sh two_programs`).
+if [[ " $STEPS " == *" two_programs "* ]]; then
+    step two_programs 300 bash -c "python3 perf/bench_decode_parts.py --points 16x4096 \
+        16x16384 64x16384 --fp8-forms regs2 regs2@16 regs3@16 regs2a2@16 regs2@4 regs3@4; \
+        python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 --fp8-forms \
+        regs2@16 regs3@16 regs2@4 regs3@4"
+    grep '^| fp8' "$OUT/two_programs.txt"
 fi
 # The engine with the loader reading slot ids two tiles ahead (`--slots-ahead2`) against the
 # default, FP8 KV at 64 and 256 requests, the two alternated twice (processes default, ahead,
