@@ -56,8 +56,9 @@ def main() -> None:
         "(the same, PV as e4m3 wgmmas with P in e4m3), conv (the converter warps' form with 3 "
         "e4m3 tiles), with an 'a2' suffix slot ids read two tiles "
         "ahead, with a 'q1' suffix q as one e4m3 term (q1 alone: the engine's form with one "
-        "term; a2 alone: the engine's form with ids two tiles ahead); '@N' after a form: N "
-        "splits a request (regs2@16: two programs an SM where they fit)",
+        "term; a2 alone: the engine's form with ids two tiles ahead), with an 'l2' or 'l4' "
+        "suffix 2 or 4 loader warps; '@N' after a form: N splits a request (regs2@16: two "
+        "programs an SM where they fit)",
     )  # fmt: skip
     ap.add_argument(
         "--l2", action="store_true",
@@ -144,8 +145,10 @@ def measure(p: bench_kernels.MLAPoint, kv_name: str, args: argparse.Namespace) -
 def form_config(cfg: md.MLADecodeConfig, form: str) -> md.MLADecodeConfig:
     """`--fp8-forms`' names: regsN (`pv_regs`, N e4m3 tiles), regs8N (the same with PV as
     e4m3 wgmmas, `pv_e4m3`), conv (the converter form of large calls: 3 e4m3 tiles, V in
-    32-token slots), an a2 suffix (slot ids two tiles ahead, `slots_ahead` 2) and a q1 suffix
-    (one q term), in that order (regs4a2q1)."""
+    32-token slots), an a2 suffix (slot ids two tiles ahead, `slots_ahead` 2), a q1 suffix
+    (one q term) and an lN suffix (N loader warps), in that order (regs4a2q1, regs84l4)."""
+    if form[-2:] in ("l2", "l4"):
+        cfg, form = cfg._replace(loader_warps=int(form[-1])), form[:-2]
     if form.endswith("q1"):
         cfg, form = cfg._replace(q_residual=False), form[:-2]
     if form.endswith("a2"):

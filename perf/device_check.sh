@@ -15,7 +15,8 @@
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
 #                                                  heads128, issue16, ids_ahead, ids_ahead_ab,
 #                                                  ids_ahead_engine, fp8_prefill, tile_clock
-#                                                  and two_programs only when named)
+#                                                  two_programs and loader_warps only when
+#                                                  named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -150,6 +151,19 @@ if [[ " $STEPS " == *" two_programs "* ]]; then
         python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 --fp8-forms \
         regs2@16 regs3@16 regs2@4 regs3@4"
     grep '^| fp8' "$OUT/two_programs.txt"
+fi
+# The loader as 2 or 4 warps (`loader_warps`): their GPU tests (bit-equal to one warp), then
+# the register-V forms with fp16 PV (regs4) and with e4m3 PV (regs84: one loader warp's copies
+# held its tile, run BB), from HBM and in L2. Only when named
+# (`bash perf/device_check.sh loader_warps`).
+if [[ " $STEPS " == *" loader_warps "* ]]; then
+    step loader_warps 420 bash -c "python3 -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_mla_decode_gluon.py -k 'loader_warps or two_tiles'; \
+        python3 perf/bench_decode_parts.py --points 16x4096 16x16384 64x16384 128x16384 \
+        --fp8-forms regs4l2 regs4l4 regs84 regs84l2 regs84l4 regs84q1l4; \
+        python3 perf/bench_decode_parts.py --l2 --points 16x16384 64x16384 128x16384 \
+        --fp8-forms regs4l2 regs4l4 regs84 regs84l2 regs84l4 regs84q1l4"
+    grep '^| fp8\|passed\|failed' "$OUT/loader_warps.txt"
 fi
 # The engine with the loader reading slot ids two tiles ahead (`--slots-ahead2`) against the
 # default, FP8 KV at 64 and 256 requests, the two alternated twice (processes default, ahead,

@@ -505,6 +505,9 @@ class MLADecodeConfig(NamedTuple):
     # no V conversion, P in e4m3 as pv_e4m3 rounds it); opt-in: on an H100 level from HBM
     # and 1-8% slower in L2, the loader warp then holding the tile (run BB).
     pv_regs: bool = False
+    # With gluon (16/32 heads a program): warps of the loader partition (1, 2 or 4; more than
+    # one with slot ids one tile ahead only), each gathering its share of a tile's rows.
+    loader_warps: int = 1
 
 
 def resolve_slots_ahead(cfg: MLADecodeConfig, page_size: int, is_fp8: bool) -> bool:
@@ -710,7 +713,7 @@ def _launch(
             q, kv, table, row_idx, seq_lens, mid_o, mid_lse, sm_scale * _LOG2E, k_scale,
             page_size, cfg.num_stages, cfg.gluon, cfg.v_rows, cfg.q_residual, cfg.gluon_heads,
             cfg.pv_e4m3, out if counters is not None else None, counters, cfg.pv_regs,
-            2 if 2 in (cfg.slots_ahead, GLUON_SLOTS_AHEAD) else 1,
+            2 if 2 in (cfg.slots_ahead, GLUON_SLOTS_AHEAD) else 1, cfg.loader_warps,
         )  # fmt: skip
     elif wide:
         mla_decode_gluon_wide.launch_stage1(

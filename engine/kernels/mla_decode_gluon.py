@@ -104,7 +104,6 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 BLOCK_N = gl.constexpr(64)  # tokens a tile: M of the QK wgmma
 BLOCK_H = gl.constexpr(16)  # heads a program (the default; 32 with `heads=32`): N of both wgmmas
 CONVERT_ROWS = gl.constexpr(16)  # rows a converter step turns to fp16
-LOADER_WARPS = gl.constexpr(1)
 CONVERTER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(80)
 CONVERTER_REGS = gl.constexpr(96)
@@ -268,8 +267,9 @@ def _token_slot_ids(table_row, n, end):
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
             PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr,
             IDS_AHEAD: gl.constexpr = 1):  # fmt: skip
-    """One warp: per tile, wait for its ring slot to be free, gather its rows by slot id, and
-    have the copies arrive on the slot's `kv_ready` barrier (each lane's own copies, counted).
+    """One warp (or `launch_stage1`'s `loader_warps`, rows shared among them): per tile, wait
+    for its ring slot to be free, gather its rows by slot id, and have the copies arrive on
+    the slot's `kv_ready` barrier (each lane's own copies, counted).
 
     Eight lanes take a row's 128 bytes, 4 rows a step (against lane pairs on 32 bytes, 16 rows
     a step: 1.10x the loads' throughput on an H200, run AJ); a lane holds 16 of the tile's
@@ -281,7 +281,7 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     VEC: gl.constexpr = 128 // lat_ring.dtype.primitive_bitwidth
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [1, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [gl.num_warps(), 1], [1, 0])
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
@@ -1017,6 +1017,7 @@ def mla_decode_fp8_ws_kernel(
     V_ROWS: gl.constexpr, Q_RESIDUAL: gl.constexpr, HEADS: gl.constexpr,
     PV_E4M3: gl.constexpr = False, MERGE_CHUNKS: gl.constexpr = 0, MERGE_S_PAD: gl.constexpr = 1,
     USE_PDL: gl.constexpr = False, PV_REGS: gl.constexpr = False, IDS_AHEAD: gl.constexpr = 1,
+    LOADER_WARPS: gl.constexpr = 1,
 ):  # fmt: skip
     hg, split, b, table_row, start, end = _program_tokens(
         seq_lens_ptr, row_idx_ptr, table_ptr, stride_table, num_splits, HAS_ROW_IDX
@@ -1203,6 +1204,7 @@ def launch_stage1(
     counters: torch.Tensor | None = None,
     pv_regs: bool = False,
     ids_ahead: int = 1,
+    loader_warps: int = 1,
 ) -> None:
     """Stage 1 over an e4m3 pool kv [num_slots, C + R] (with its k_scale) or a 16-bit one (no
     scale; `stages` >= 2 ring slots, no converter: v_stages, v_rows, q_residual and pv_e4m3
@@ -1213,7 +1215,8 @@ def launch_stage1(
     caller makes sure the grid fits the SMs). `pv_regs` (e4m3, 16 heads): PV with V^T read into
     the attention group's registers, no converter and no V ring (v_stages, v_rows unused); with
     `pv_e4m3` those registers feed e4m3 wgmmas (P in e4m3).
-    `ids_ahead` 2 (page size 1): the loader reads slot ids two tiles ahead instead of one."""
+    `ids_ahead` 2 (page size 1): the loader reads slot ids two tiles ahead instead of one.
+    `loader_warps` (1, 2 or 4; more than one with ids one tile ahead): the loader's warps."""
     batch, num_heads, head_dim = q.shape
     c = mid_o.shape[-1]
     if kv.dtype != torch.float8_e4m3fn:
@@ -1229,6 +1232,10 @@ def launch_stage1(
         pv_regs = False
     assert k_scale is not None, "an e4m3 cache needs its k_scale"
     assert ids_ahead in (1, 2), f"slot ids are read 1 or 2 tiles ahead, not {ids_ahead}"
+    assert loader_warps in (1, 2, 4), f"the loader takes 1, 2 or 4 warps, not {loader_warps}"
+    if page_size != 1:
+        ids_ahead = 1  # (two ahead is a page-1 loader's)
+    assert loader_warps == 1 or ids_ahead == 1, "ids two tiles ahead are one loader warp's"
     assert not pv_e4m3 or v_rows == BLOCK_N.value, "e4m3 PV takes V a whole tile a slot"
     if pv_regs:
         # NOTE: the ring's slots, q and P; 5 slots of a 512 latent take 200 KB.
@@ -1255,5 +1262,5 @@ def launch_stage1(
         PAGE_SIZE=page_size, SLOT_TABLE=row_idx is not None, HAS_ROW_IDX=row_idx is not None,
         STAGES=stages, V_STAGES=v_stages, V_ROWS=v_rows, Q_RESIDUAL=q_residual, HEADS=heads,
         PV_E4M3=pv_e4m3, MERGE_CHUNKS=merge_chunks, MERGE_S_PAD=merge_s_pad, num_warps=4,
-        PV_REGS=pv_regs, IDS_AHEAD=ids_ahead, pdl=True,
+        PV_REGS=pv_regs, IDS_AHEAD=ids_ahead, LOADER_WARPS=loader_warps, pdl=True,
     )  # fmt: skip

@@ -289,6 +289,30 @@ def test_gluon_slot_ids_two_tiles_ahead(seq_lens: list[int], splits: int | None,
     assert _rel_err(two, ref) < 2e-2
 
 
+@pytest.mark.parametrize("warps", [2, 4])
+@pytest.mark.parametrize("form", ["regs", "regs8", "conv", "bf16"])
+def test_gluon_loader_warps(warps: int, form: str) -> None:
+    """`loader_warps` 2 or 4 (the tile's rows shared among the loader's warps): the same rows
+    into the same ring slots as one warp, so the same output bit for bit, with ring wraps, a
+    request shorter than a tile and one that ends mid-tile."""
+    q, kv, req_to_token, rows, lens, k_scale = _pool(
+        [4100, 90, 5, 777], 16, seed=5, fp8=form != "bf16"
+    )
+    args = (q, kv, req_to_token, rows, lens, C, (C + R) ** -0.5)
+    if form == "bf16":
+        k_scale, cfg = None, BF16_16
+    elif form == "conv":
+        cfg = _gluon(3, 3, v_rows=32)
+    else:
+        cfg = _gluon(4, 1)._replace(pv_regs=True, pv_e4m3=form == "regs8")
+    one = mla_decode(*args, k_scale=k_scale, config=cfg)
+    more = mla_decode(*args, k_scale=k_scale, config=cfg._replace(loader_warps=warps))
+    assert torch.isfinite(more.float()).all()
+    assert torch.equal(one, more)
+    bound = 3.5e-2 if form == "regs8" else 2e-2  # (P in e4m3, as test_gluon_pv_regs_e4m3)
+    assert _rel_err(more, mla_decode_ref(*args, k_scale=k_scale)) < bound
+
+
 def test_gluon_matches_triton_kernel() -> None:
     """Against the Triton FP8 kernel's default (q as two e4m3 terms through one dot)."""
     q, kv8, req_to_token, rows, lens, k_scale = _pool([2000, 333, 64], 16, seed=7)
