@@ -79,6 +79,7 @@ def compile_kernel(
     merge_s_pad: int = 1,
     pv_regs: bool = False,
     ids_ahead: int = 1,
+    loader_warps: int = 1,
 ) -> Any:
     """`mla_decode_fp8_ws_kernel` as the engine launches it (bf16 q, DeepSeek's 512 + 64), over
     an e4m3 pool or (`bf16`) a bf16 one; `merge_chunks` > 0: with the split merge inside."""
@@ -94,7 +95,7 @@ def compile_kernel(
         "HAS_ROW_IDX": page_size == 1, "STAGES": stages, "V_STAGES": v_stages,
         "V_ROWS": v_rows, "Q_RESIDUAL": q_residual, "HEADS": heads, "PV_E4M3": pv_e4m3,
         "MERGE_CHUNKS": merge_chunks, "MERGE_S_PAD": merge_s_pad,
-        "USE_PDL": pdl, "PV_REGS": pv_regs, "IDS_AHEAD": ids_ahead,
+        "USE_PDL": pdl, "PV_REGS": pv_regs, "IDS_AHEAD": ids_ahead, "LOADER_WARPS": loader_warps,
     }  # fmt: skip
     return _compile(mla_decode_gluon.mla_decode_fp8_ws_kernel, sig, consts)
 
@@ -218,6 +219,7 @@ def main() -> None:
     ap.add_argument("--pv-e4m3", action="store_true", help="PV as an e4m3 wgmma (V transposed)")
     ap.add_argument("--pv-regs", action="store_true", help="PV with V^T from registers")
     ap.add_argument("--ids-ahead", type=int, default=1, help="slot ids read 1 or 2 tiles ahead")
+    ap.add_argument("--loader-warps", type=int, default=1, help="the loader's warps (1, 2, 4)")
     ap.add_argument(
         "--merge-splits", type=int, default=0, help="with the split merge inside, of this many"
     )
@@ -232,6 +234,7 @@ def main() -> None:
         kernel = compile_kernel(
             args.page, args.stages, args.v_stages, not args.one_term, args.v_rows, args.heads,
             pdl, args.pv_e4m3, args.bf16, chunks, s_pad, args.pv_regs, args.ids_ahead,
+            args.loader_warps,
         )  # fmt: skip
     ptx = kernel.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)

@@ -266,8 +266,8 @@ def _token_slot_ids(table_row, n, end):
 @gluon.jit
 def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready, kv_empty,
             PAGE_SIZE: gl.constexpr, SLOT_TABLE: gl.constexpr, USE_PDL: gl.constexpr,
-            IDS_AHEAD: gl.constexpr = 1):  # fmt: skip
-    """One warp (or `launch_stage1`'s `loader_warps`, rows shared among them): per tile, wait
+            IDS_AHEAD: gl.constexpr = 1, WARPS: gl.constexpr = 1):  # fmt: skip
+    """One warp (or WARPS, `launch_stage1`'s `loader_warps`, rows shared among them): per tile, wait
     for its ring slot to be free, gather its rows by slot id, and have the copies arrive on
     the slot's `kv_ready` barrier (each lane's own copies, counted).
 
@@ -281,7 +281,7 @@ def _loader(kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_read
     R: gl.constexpr = pe_ring.shape[2]
     STAGES: gl.constexpr = lat_ring.shape[0]
     VEC: gl.constexpr = 128 // lat_ring.dtype.primitive_bitwidth
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [gl.num_warps(), 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [WARPS, 1], [1, 0])
     offs_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
     offs_r = C + gl.arange(0, R, layout=gl.SliceLayout(0, layout))
@@ -1107,7 +1107,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD, LOADER_WARPS,
                     ),
                 ),
             ],
@@ -1136,7 +1136,7 @@ def mla_decode_fp8_ws_kernel(
                     _loader,
                     (
                         kv_ptr, table_row, start, end, stride_kv, lat_ring, pe_ring, kv_ready,
-                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD,
+                        kv_empty, PAGE_SIZE, SLOT_TABLE, USE_PDL, IDS_AHEAD, LOADER_WARPS,
                     ),
                 ),
             ],
