@@ -240,8 +240,8 @@ def _logprob_fields(d: dict[str, Any]) -> dict[str, Any]:
     value = d.get("logprobs")
     if value is None:
         return fields
-    if _is_count(value):
-        count = _coerce_int("logprobs", value)
+    count = _as_count(value)
+    if count is not None:
         if not 0 <= count <= MAX_TOP_LOGPROBS:
             why = f"must be true, false or a count of top tokens in [0, {MAX_TOP_LOGPROBS}]"
             _fail("logprobs", value, why)
@@ -254,15 +254,13 @@ def _logprob_fields(d: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _is_count(value: Any) -> bool:
-    """An integer as JSON or as a string ("5", "5.0"), not a boolean nor "true"/"false"."""
-    if isinstance(value, str) and value.strip().lower() not in ("true", "false"):
-        try:
-            _coerce_int("logprobs", value)
-        except SamplingParamsError:
-            return False
-        return True
-    return _is_int(value) or (isinstance(value, float) and value.is_integer())
+def _as_count(value: Any) -> int | None:
+    """`value` as an integer when it is one, as JSON or as a string ("5", "5.0"); None for a
+    boolean, "true"/"false" or anything else (then read as a flag)."""
+    try:
+        return _coerce_int("logprobs", value)
+    except SamplingParamsError:
+        return None
 
 
 def _coerce(name: str, value: Any) -> Any:

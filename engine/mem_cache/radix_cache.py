@@ -397,7 +397,10 @@ class RadixCache:
         self.allocator.check_integrity()
         total = evictable = protected = 0
         seen: set[int] = set()
-        for node in self._nodes():
+        nodes = self._nodes()
+        assert len(nodes) == self._num_nodes, f"{self._num_nodes} nodes counted, {len(nodes)} found"
+        queued = {id(n) for _, _, n in self._lru}
+        for node in nodes:
             nk, nv = len(node.key), len(node.value)
             assert nk == nv, f"node {node.id}: key length {nk} != value length {nv}"
             assert nk > 0 and nk % self.page_size == 0, (
@@ -412,6 +415,8 @@ class RadixCache:
                 assert parent.lock_ref >= node.lock_ref, (
                     f"node {node.id}: lock_ref {node.lock_ref} > parent's {parent.lock_ref}"
                 )
+            if node.is_leaf() and not node.lock_ref:
+                assert id(node) in queued, f"node {node.id}: an unlocked leaf not in the LRU order"
             total += nk
             if node.lock_ref:
                 protected += nk
@@ -424,12 +429,6 @@ class RadixCache:
         assert evictable == self._evictable, (
             f"evictable_size {self._evictable} != {evictable} counted in the tree"
         )
-        nodes = self._nodes()
-        assert len(nodes) == self._num_nodes, f"{self._num_nodes} nodes counted, {len(nodes)} found"
-        queued = {id(n) for _, _, n in self._lru}
-        for node in nodes:
-            if node.is_leaf() and not node.lock_ref:
-                assert id(node) in queued, f"node {node.id}: an unlocked leaf not in the LRU order"
         assert protected == self._protected, (
             f"protected_size {self._protected} != {protected} counted in the tree"
         )
