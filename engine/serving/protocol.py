@@ -154,16 +154,31 @@ def coalesce(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return merged
 
 
+# SentencePiece's word-start marker: a vocabulary piece's leading "▁" stands for a space.
+SPACE_MARKER = "\u2581"
+
+
 def token_decoder(tokenizer: Any) -> Callable[[int], str] | None:
     """A token id's text as `logprobs`' `decoded_token` gives it (the tokenizer's decoding of
-    the id alone, cached), or None without a tokenizer."""
+    the id alone, cached), or None without a tokenizer.
+
+    A SentencePiece tokenizer drops a lone piece's leading space when decoding it ("▁world"
+    decodes as "world"); the spaces its piece stands for are put back, so that a token's text
+    reads as it does inside a sentence (as vLLM reports it). Byte-level BPE pieces carry no
+    such marker and decode with their spaces."""
     if tokenizer is None:
         return None
+    piece_of = getattr(tokenizer, "convert_ids_to_tokens", None)
 
     @functools.lru_cache(maxsize=65536)
     def decode(token_id: int) -> str:
         text: str = tokenizer.decode([token_id])
-        return text
+        piece = piece_of(token_id) if piece_of is not None else None
+        if not isinstance(piece, str):
+            return text
+        markers = len(piece) - len(piece.lstrip(SPACE_MARKER))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     return decode
 

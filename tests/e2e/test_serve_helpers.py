@@ -28,6 +28,7 @@ from engine.serving.disconnects import (
 from engine.serving.lifecycle import grace_from_env
 from engine.serving.protocol import (
     RETURN_FLAGS,
+    SPACE_MARKER,
     BadRequest,
     ParsedRequest,
     Reply,
@@ -383,6 +384,34 @@ def test_token_decoder_decodes_each_id_alone_once() -> None:
     assert decode is not None and [decode(5), decode(5), decode(7)] == ["t5", "t5", "t7"]
     assert calls == [[5], [7]]
     assert token_decoder(None) is None
+
+
+def test_token_decoder_puts_back_sentencepiece_leading_spaces() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    m = SPACE_MARKER
+    pieces = ["<unk>", f"{m}hello", f"{m}world", "lo", m, f"{m}{m}x"]
+    inner = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace(replacement=m, prepend_scheme="first")
+    inner.decoder = decoders.Metaspace(replacement=m, prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>")
+    assert tokenizer.decode([2]) == "world"  # what decoding the id alone gives
+    decode = token_decoder(tokenizer)
+    assert decode is not None
+    assert [decode(i) for i in range(6)] == ["<unk>", " hello", " world", "lo", " ", "  x"]
+    assert tokenizer.decode([1, 2]) == "hello world"  # mid-sentence, " world" as reported
+
+
+def test_token_decoder_keeps_byte_level_tokens_as_decoded(default_tokenizer: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_tokenizer)
+    decode = token_decoder(tokenizer)
+    assert decode is not None
+    ids = tokenizer.encode(" hello world, x  y", add_special_tokens=False)
+    assert [decode(t) for t in ids] == [tokenizer.decode([t]) for t in ids]
+    assert "".join(decode(t) for t in ids) == " hello world, x  y"
 
 
 def test_coalesce_merges_each_requests_queued_deltas() -> None:
