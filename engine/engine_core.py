@@ -15,6 +15,7 @@ prefix cache are the same as without overlap.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -49,6 +50,36 @@ class _ReqState:
     metrics: RequestMetrics
     cumulative_logprob: float = 0.0
     pending: RequestOutput | None = field(default=None)
+
+
+@dataclass(eq=False)
+class _Family:
+    """A request of n sequences, each running as a request of its own (`children`)."""
+
+    rid: str
+    callback: Callback
+    children: list[str]
+    live: set[int] = field(default_factory=set)  # the sequences not finished yet
+    error: str | None = None
+    metrics: RequestMetrics | None = None  # the request's: the first arrival, first token
+
+    def __post_init__(self) -> None:
+        self.live = set(range(len(self.children)))
+
+    def merge_metrics(self, seq: RequestMetrics | None) -> None:
+        if seq is None:
+            return
+        if self.metrics is None:
+            self.metrics = RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token)
+        m = self.metrics
+        m.arrival = min(m.arrival, seq.arrival)
+        m.first_scheduled = _earliest(m.first_scheduled, seq.first_scheduled)
+        m.first_token = _earliest(m.first_token, seq.first_token)
+        m.finished = seq.finished
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 class _TokenLogprobs(NamedTuple):
@@ -97,6 +128,7 @@ class EngineCore:
         )
         self.batch_log = BatchLog(self.scheduler, config.decode_log_interval)
         self.states: dict[str, _ReqState] = {}
+        self.families: dict[str, _Family] = {}  # requests of n > 1 sequences, by their id
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.overlap = self._use_overlap()
         self._launched: _Launched | None = None  # the overlap schedule's batch in flight
@@ -124,24 +156,67 @@ class EngineCore:
     def add_request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, callback: Callback
     ) -> None:
-        if rid in self.states:
+        """Queue a request. One of `n` sequences runs as requests of its own (ids `rid/0` ...
+        `rid/n-1`), reported to `callback` under `rid` with their `index`."""
+        if rid in self.states or rid in self.families:
             raise ValueError(f"request id {rid!r} is already running")
         self.check_params(params)
+        if params.n == 1:
+            self._admit(self._new_state(rid, prompt_ids, params, callback))
+            return
+        children = [f"{rid}/{i}" for i in range(params.n)]
+        for child in children:
+            if child in self.states or child in self.families:
+                raise ValueError(f"request id {child!r} (a sequence of {rid!r}) is already running")
+        family = _Family(rid, callback, children)
+        # (every state first: all that can fail does so before the scheduler has any of them)
+        states = [
+            self._new_state(
+                child, prompt_ids, params.for_sequence(i),
+                functools.partial(self._on_sequence, family, i),
+            )
+            for i, child in enumerate(children)
+        ]  # fmt: skip
+        self.families[rid] = family
+        for state in states:
+            self._admit(state)
+
+    def _new_state(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, callback: Callback
+    ) -> _ReqState:
         req = Req(rid=rid, prompt_ids=prompt_ids, params=params, arrival=0)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         # NOTE: all that can fail (the detokenizer decodes the prompt's tail) before the
         # scheduler has the request: one it schedules without a state would fail every step.
-        state = _ReqState(
+        return _ReqState(
             req=req,
             callback=callback,
             detokenizer=self._detokenizer(prompt_ids, params),
             stop_ids=frozenset(stop_ids),
             metrics=RequestMetrics(arrival=time.monotonic()),
         )
-        self.scheduler.add_request(req)
-        self.states[rid] = state
+
+    def _admit(self, state: _ReqState) -> None:
+        self.scheduler.add_request(state.req)
+        self.states[state.req.rid] = state
+
+    def _on_sequence(self, family: _Family, index: int, delta: RequestOutput) -> None:
+        """A sequence's delta, reported as its request's: the request finishes with its last
+        sequence (carrying the first error any of them had)."""
+        delta.request_id = family.rid
+        delta.index = index
+        if delta.finished:
+            family.live.discard(index)
+            family.error = family.error or delta.error
+            family.merge_metrics(delta.metrics)
+            delta.finished = not family.live
+            delta.error = family.error if delta.finished else None
+            delta.metrics = family.metrics if delta.finished else None
+            if delta.finished:
+                del self.families[family.rid]
+        family.callback(delta)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise SamplingParamsError for settings this engine cannot honour (before anything is
@@ -158,6 +233,12 @@ class EngineCore:
         )
 
     def abort(self, rid: str) -> None:
+        family = self.families.get(rid)
+        if family is not None:
+            for child in family.children:
+                if child in self.states:
+                    self._finish(self.states[child], "abort")
+            return
         state = self.states.get(rid)
         if state is not None:
             self._finish(state, "abort")

@@ -40,7 +40,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (text or token ids) at once; results in input order."""
+        """Generate for every prompt (text or token ids) at once; results in input order (a
+        prompt whose params ask for `n` sequences gives n results in a row, by `index`)."""
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], Integral)):
             prompt_list = [prompts]  # type: ignore[list-item]
@@ -56,11 +57,10 @@ class LLM:
         token_ids = [self.core.tokenize(p) for p in prompt_list]
         for p in param_list:
             self.core.check_params(p)
-        results: dict[str, CompletionOutput] = {}
-        order: list[str] = []
+        results: dict[tuple[str, int], CompletionOutput] = {}  # by request id and index
 
         def collect(delta: RequestOutput) -> None:
-            out = results[delta.request_id]
+            out = results[delta.request_id, delta.index]
             out.text += delta.text
             out.token_ids += delta.token_ids
             if out.logprobs is not None and out.logprob_ranks is not None:
@@ -70,24 +70,25 @@ class LLM:
                 out.top_logprobs += delta.top_logprobs
             out.cumulative_logprob = delta.cumulative_logprob
             out.cached_tokens = delta.cached_tokens
-            if delta.finished:
+            if delta.finish_reason is not None or delta.finished:
                 out.finish_reason = delta.finish_reason or "stop"
 
         try:
             # (inside: a request that cannot be added fails those added before it too)
             for ids, p in zip(token_ids, param_list, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                order.append(rid)
-                results[rid] = CompletionOutput(
-                    rid,
-                    ids,
-                    "",
-                    [],
-                    "",
-                    logprobs=[] if p.logprobs else None,
-                    logprob_ranks=[] if p.logprobs else None,
-                    top_logprobs=[] if p.top_logprobs else None,
-                )
+                for index in range(p.n):
+                    results[rid, index] = CompletionOutput(
+                        rid,
+                        ids,
+                        "",
+                        [],
+                        "",
+                        logprobs=[] if p.logprobs else None,
+                        logprob_ranks=[] if p.logprobs else None,
+                        top_logprobs=[] if p.top_logprobs else None,
+                        index=index,
+                    )
                 self.core.add_request(rid, ids, p, collect)
             while self.core.has_work():
                 if not self.core.step():
@@ -97,4 +98,4 @@ class LLM:
             # was never written, so a later call must neither run these requests nor cache it.
             self.core.fail_all(f"generate failed: {e!r}")
             raise
-        return [results[rid] for rid in order]
+        return list(results.values())

@@ -40,6 +40,11 @@ class RequestOutput:
     N most likely (token id, logprob) pairs at its step, most likely first.
     Exactly one delta per request has `finished=True`; it carries `finish_reason`
     ("stop" | "length" | "abort") and, when the request failed, `error`.
+
+    A request of `n` sequences (`SamplingParams.n`) streams the deltas of all of them, each
+    with its sequence's `index` (0 to n-1) and that sequence's own counts. A sequence's last
+    delta carries its `finish_reason`; the last of these to come also has `finished=True` (and
+    the request's `error`, if any sequence failed).
     """
 
     request_id: str
@@ -56,11 +61,13 @@ class RequestOutput:
     cumulative_logprob: float = 0.0
     error: str | None = None
     metrics: RequestMetrics | None = None  # on the finished delta only
+    index: int = 0  # the sequence, with n > 1
 
 
 @dataclass
 class CompletionOutput:
-    """A whole finished request, as returned by `LLM.generate`."""
+    """A whole finished sequence, as returned by `LLM.generate` (`index`: which of its
+    request's `n`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -72,6 +79,7 @@ class CompletionOutput:
     cached_tokens: int = 0
     logprob_ranks: list[int] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ class SamplingParamsError(ValueError):
     """
 
 
-_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "top_logprobs")
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "top_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
 
@@ -41,6 +41,8 @@ MAX_STOP_TOKEN_IDS = 1024
 # The most top tokens a request may ask log-probabilities of, each step (vLLM's default
 # `max_logprobs`, OpenAI's `top_logprobs` bound).
 MAX_TOP_LOGPROBS = 20
+# The most sequences one request may ask for (`n`): each is a request of its own in the batch.
+MAX_N = 64
 
 
 @dataclass
@@ -61,9 +63,12 @@ class SamplingParams:
         likely tokens' and turns `logprobs` on. On the wire vLLM's form, `"logprobs": N`, means
         `logprobs=True, top_logprobs=N` (0: the chosen token's alone).
       - `seed` makes this request's draws reproducible regardless of the batch it runs in.
+      - `n` (at most 64) samples that many sequences for the prompt, each its own request in
+        the engine (sequence i seeded with `seed + i` when a seed is given).
       - Greedy decoding (`is_greedy`) is temperature 0 (or below 1e-5, as in vLLM) or top_k 1.
     """
 
+    n: int = 1
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -127,6 +132,8 @@ class SamplingParams:
             # (what a torch.Generator takes: a larger seed would fail inside the engine step)
             _fail("seed", self.seed, "must be in [-2**63, 2**64)")
 
+        if not 1 <= self.n <= MAX_N:
+            _fail("n", self.n, f"must be in [1, {MAX_N}]")
         if self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, "must be >= 1")
         if self.min_tokens < 0:
@@ -174,8 +181,7 @@ class SamplingParams:
         """Build from a wire-format dict (e.g. the parsed `sampling_parameters` JSON).
 
         Unknown keys are rejected by name. Numeric fields accept numeric strings ("16", "0.7"),
-        boolean fields accept true/false and the strings "true"/"false". `n` is accepted only
-        when it equals 1 (one sequence per request is all this engine produces). `logprobs`
+        boolean fields accept true/false and the strings "true"/"false". `logprobs`
         may be vLLM's count of top tokens (an integer), which sets `top_logprobs` too.
         """
         if not isinstance(d, dict):
@@ -187,10 +193,6 @@ class SamplingParams:
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
-            if key == "n":
-                if _coerce_int("n", value) != 1:
-                    _fail("n", value, "only n=1 is supported")
-                continue
             if key not in known:
                 raise SamplingParamsError(
                     f"unknown sampling parameter {key!r}; known: {', '.join(sorted(known))}"
@@ -216,6 +218,16 @@ class SamplingParams:
                 f"sampling parameters must be a JSON object, got {type(d).__name__}"
             )
         return cls.from_dict(d)
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The settings of sequence `index` of an `n`-sequence request: one sequence, seeded
+        with `seed + index` (wrapping within the seeds a generator takes) when seeded."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed >= 2**64:
+                seed -= 2**64
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (round-trips through `from_dict`)."""

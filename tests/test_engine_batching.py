@@ -36,6 +36,7 @@ def _check_idle(llm: LLM) -> None:
     assert sched.in_use_slots() == 0
     assert sched.allocator.available_size() + sched.tree.total_size() == sched.allocator.size
     assert not llm.core.states
+    assert not llm.core.families
 
 
 @pytest.mark.parametrize("which,n", [("mla", 32), ("llama", 10)])
@@ -563,3 +564,77 @@ def test_a_request_that_fails_to_be_added_leaves_nothing_behind(tiny_mla) -> Non
         llm.generate([[300, 301], [13, 14]], params)
     assert not llm.core.has_work()  # the first one, added before, failed with it
     assert len(llm.generate([[300, 301]], params)[0].token_ids) == 4
+
+
+def test_n_sequences_are_seeded_requests_of_their_own(tiny_mla) -> None:
+    """`n` sequences of one prompt: each is the request with `seed + index` alone, reported in
+    order of index; an unseeded request's sequences differ; greedy ones are the same."""
+    llm = LLM(
+        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True),
+        dtype="float32",
+        max_total_tokens=1024,
+        debug_checks=True,
+    )
+    prompt = [9, 8, 7, 6]
+    seeded = SamplingParams(
+        n=3, max_tokens=10, temperature=1.0, seed=50, ignore_eos=True, logprobs=True
+    )
+    outs = llm.generate([[1, 2], prompt], [SamplingParams(max_tokens=3), seeded])
+    assert [(o.request_id == outs[1].request_id, o.index) for o in outs[1:]] == [
+        (True, 0), (True, 1), (True, 2)
+    ]  # fmt: skip
+    assert outs[0].index == 0 and outs[0].request_id != outs[1].request_id
+    for i, out in enumerate(outs[1:]):
+        alone = llm.generate([prompt], seeded.for_sequence(i))[0]
+        assert out.token_ids == alone.token_ids and out.finish_reason == "length"
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert out.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-4)
+    free = SamplingParams(n=4, max_tokens=12, temperature=1.0, ignore_eos=True)
+    assert len({tuple(o.token_ids) for o in llm.generate([prompt], free)}) > 1
+    greedy = llm.generate([prompt], SamplingParams(n=2, max_tokens=6, temperature=0.0))
+    assert greedy[0].token_ids == greedy[1].token_ids
+    _check_idle(llm)
+
+
+def test_n_sequences_stream_under_one_id_and_abort_together(tiny_mla) -> None:
+    llm = LLM(
+        tiny_mla("v2", moe=True, q_lora_rank=None, yarn=True),
+        dtype="float32",
+        max_total_tokens=1024,
+        debug_checks=True,
+    )
+    core = llm.core
+    got: list[RequestOutput] = []
+    short = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    core.add_request("r", [5, 6, 7], short, got.append)
+    with pytest.raises(ValueError, match="'r' is already running"):
+        core.add_request("r", [5], SamplingParams(), got.append)
+    while core.has_work():
+        core.step()
+    assert {d.request_id for d in got} == {"r"}
+    assert [d.finished for d in got].count(True) == 1 and got[-1].finished
+    ends = [(d.index, d.finish_reason) for d in got if d.finish_reason is not None]
+    assert sorted(ends) == [(0, "length"), (1, "length"), (2, "length")]
+    for i in range(3):
+        assert sum(len(d.token_ids) for d in got if d.index == i) == 4
+    assert got[-1].metrics is not None and got[-1].metrics.first_token is not None
+    assert all(d.metrics is None for d in got[:-1])
+
+    got.clear()
+    long = SamplingParams(n=2, max_tokens=200, ignore_eos=True)
+    core.add_request("s", [5, 6, 7], long, got.append)
+    for _ in range(3):
+        core.step()
+    core.abort("s")
+    assert [d.finished for d in got].count(True) == 1 and got[-1].finished
+    assert sorted(d.index for d in got if d.finish_reason == "abort") == [0, 1]
+    assert not core.families and not core.has_work()
+
+    got.clear()  # a failed step ends every sequence; the request's last delta has the error
+    core.add_request("t", [5, 6, 7], long, got.append)
+    core.step()
+    assert core.fail_all("boom")
+    assert [d.finished for d in got].count(True) == 1 and got[-1].error == "boom"
+    assert all(d.error is None for d in got[:-1])
+    assert sorted(d.index for d in got if d.finish_reason == "abort") == [0, 1]
+    assert not core.families

@@ -153,7 +153,9 @@ def test_from_dict_integral_float_accepted() -> None:
         ({"temperature": "hot"}, "temperature='hot'"),
         ({"ignore_eos": 1}, "ignore_eos=1"),
         ({"top_p": "0"}, "top_p=0.0"),
-        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n=0"),
+        ({"n": 65}, "n=65"),
+        ({"n": 1.5}, "n=1.5"),
     ],
 )
 def test_from_dict_bad_values(d: dict[str, Any], needle: str) -> None:
@@ -168,8 +170,18 @@ def test_from_dict_unknown_key_named() -> None:
         SamplingParams.from_dict({"best_of": 1})
 
 
-def test_from_dict_n_one_accepted() -> None:
+def test_from_dict_n_accepted() -> None:
     assert SamplingParams.from_dict({"n": "1", "max_tokens": 4}).max_tokens == 4
+    assert SamplingParams.from_dict({"n": "3"}).n == 3
+
+
+def test_for_sequence_is_one_sequence_seeded_apart() -> None:
+    p = SamplingParams(n=3, seed=7, temperature=0.8)
+    kids = [p.for_sequence(i) for i in range(3)]
+    assert [(k.n, k.seed, k.temperature) for k in kids] == [(1, 7, 0.8), (1, 8, 0.8), (1, 9, 0.8)]
+    assert SamplingParams(n=2).for_sequence(1).seed is None
+    top = SamplingParams(n=2, seed=2**64 - 1).for_sequence(1)
+    assert top.seed == 0  # wraps within what a generator takes
 
 
 def test_from_json() -> None:

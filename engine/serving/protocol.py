@@ -133,25 +133,33 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 def coalesce(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The model's queued events with each request's deltas ("out", RequestOutput) merged into
-    one, at the place of its first: a response thread that fell behind then sends one response
-    per request for everything it missed instead of one per step (a send costs about half a
-    millisecond in the Python backend). Other events keep their order; a "stop" ends the list."""
-    merged: list[tuple[str, Any]] = []
-    at: dict[str, int] = {}  # request id -> index of its pending delta in `merged`
+    """The model's queued events with each sequence's deltas ("out", RequestOutput) merged
+    into one, at the place of its first: a response thread that fell behind then sends one
+    response per sequence for everything it missed instead of one per step (a send costs about
+    half a millisecond in the Python backend). A request's final delta moves behind its other
+    sequences' (with n > 1). Other events keep their order; a "stop" ends the list."""
+    merged: list[tuple[str, Any] | None] = []
+    at: dict[tuple[str, int], int] = {}  # (request id, index) -> its pending delta's place
+    last: dict[str, int] = {}  # request id -> the place of its last pending delta
     for kind, item in events:
         if kind == "out":
-            i = at.get(item.request_id)
-            if i is None:
-                at[item.request_id] = len(merged)
-                merged.append((kind, item))
-            else:
-                merged[i] = (kind, merge_deltas(merged[i][1], item))
+            rid = item.request_id
+            i = at.get((rid, item.index))
+            if i is not None:
+                first = merged[i]
+                assert first is not None
+                item = merge_deltas(first[1], item)
+                if not item.finished or last[rid] == i:
+                    merged[i] = (kind, item)
+                    continue
+                merged[i] = None  # the request ends: after its other sequences' deltas
+            at[rid, item.index] = last[rid] = len(merged)
+            merged.append((kind, item))
             continue
         merged.append((kind, item))
         if kind == "stop":
             break
-    return merged
+    return [event for event in merged if event is not None]
 
 
 # SentencePiece's word-start marker: a vocabulary piece's leading "▁" stands for a space.
@@ -188,8 +196,8 @@ def _flag(get: InputGetter, name: str, default: bool | None) -> bool | None:
     return default if value is None else bool(value)
 
 
-# (output name, its one value, numpy dtype name)
-Output = tuple[str, Any, str]
+# (output name, its values: one, or one a sequence, numpy dtype name)
+Output = tuple[str, list[Any], str]
 
 
 @dataclass
@@ -202,21 +210,37 @@ class Reply:
 
 
 @dataclass
+class _Sequence:
+    """What a stream keeps of one of its request's `n` sequences."""
+
+    texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # every token's so far
+    logprobs_sent: int = 0  # streaming: how many of them went out
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
 class Stream:
-    """One in-flight request, fed its engine deltas in order by the model's response thread."""
+    """One in-flight request, fed its engine deltas in order by the model's response thread.
+
+    Its outputs hold one value a sequence (`SamplingParams.n`, as vllm_backend sends them):
+    streaming, a reply carries the new text of the sequence whose delta it answers and empty
+    text for the others; a sequence's finish reason is sent from its end on ("" before)."""
 
     request_id: str
     sender: Any  # the model's response sender; unused here
     req: ParsedRequest
     timer: RequestTimer = field(default_factory=RequestTimer)
     decode_token: Callable[[int], str] | None = None  # a token id's text; None: no tokenizer
-    texts: list[str] = field(default_factory=list)  # non-streaming: everything so far
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # every token's so far
-    logprobs_sent: int = 0  # streaming: how many of them went out
-    num_output_tokens: int = 0
+    seqs: list[_Sequence] = field(default_factory=list)
     replied: bool = False  # a response (not the final one) was sent
     cancelled: bool = False  # the client went away; the engine is told to abort once added
     added: bool = False  # the engine has it (an abort before that would be ignored)
+
+    def __post_init__(self) -> None:
+        self.seqs = [_Sequence() for _ in range(self.req.params.n)]
 
     @property
     def unanswered(self) -> bool:
@@ -226,31 +250,46 @@ class Stream:
     def on_delta(self, out: RequestOutput) -> Reply | None:
         """What to send for this delta (None: nothing yet). A finished delta always replies."""
         stream, returns = self.req.stream, self.req.returns
+        seq = self.seqs[out.index]
+        seq.cumulative_logprob = out.cumulative_logprob
+        if out.finish_reason is not None:
+            seq.finish_reason = out.finish_reason
         if out.token_ids:
             self.timer.on_tokens(len(out.token_ids))
-            self.num_output_tokens += len(out.token_ids)
+            seq.num_output_tokens += len(out.token_ids)
             if returns["return_logprobs"]:
                 # NOTE: kept for every token, also those whose text is held back (part of a
                 # character, or of what may be a stop string): the next reply carries them.
-                self.logprobs.extend(self._token_logprobs(out))
+                seq.logprobs.extend(self._token_logprobs(out))
         if not out.finished:
             if self.cancelled:
                 return None
             if not stream:
-                self.texts.append(out.text)
+                seq.texts.append(out.text)
                 return None
-            if out.text or (out.token_ids and returns["return_num_output_tokens"]):
+            ended = out.finish_reason is not None  # one sequence of several ended
+            if out.text or (out.token_ids and returns["return_num_output_tokens"]) or ended:
                 self.replied = True
-                return Reply(self._outputs(out, out.text, len(out.token_ids)))
+                return Reply(self._delta_outputs(out))
             return None
         if out.error:
             return Reply(final=True, error=out.error)
         if self.cancelled or (stream and not out.text and not any(returns.values())):
             return Reply(final=True)  # nothing left to say; just close the stream
         if stream:
-            return Reply(self._outputs(out, out.text, len(out.token_ids)), final=True)
-        text = self.req.prefix + "".join(self.texts) + out.text
-        return Reply(self._outputs(out, text, self.num_output_tokens), final=True)
+            return Reply(self._delta_outputs(out), final=True)
+        seq.texts.append(out.text)
+        texts = [self.req.prefix + "".join(s.texts) for s in self.seqs]
+        return Reply(self._outputs(out, texts, [s.num_output_tokens for s in self.seqs]), True)
+
+    def _delta_outputs(self, out: RequestOutput) -> list[Output]:
+        """A streamed reply: the delta's text and token count for its sequence, none for the
+        others."""
+        texts = ["" for _ in self.seqs]
+        counts = [0 for _ in self.seqs]
+        texts[out.index] = out.text
+        counts[out.index] = len(out.token_ids)
+        return self._outputs(out, texts, counts)
 
     def _token_logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
         """vllm_backend's `logprobs` entries of the delta's tokens: per token, the chosen and
@@ -270,21 +309,25 @@ class Stream:
             entries.append(entry)
         return entries
 
-    def _outputs(self, out: RequestOutput, text: str, num_tokens: int) -> list[Output]:
+    def _outputs(self, out: RequestOutput, texts: list[str], counts: list[int]) -> list[Output]:
         returns = self.req.returns
-        outputs: list[Output] = [("text_output", text.encode(), "object")]
+        outputs: list[Output] = [("text_output", [t.encode() for t in texts], "object")]
         if returns["return_finish_reason"]:
-            reason = (out.finish_reason or "") if out.finished else ""
-            outputs.append(("finish_reason", reason, "object"))
+            reasons = [s.finish_reason or "" for s in self.seqs]
+            outputs.append(("finish_reason", reasons, "object"))
         if returns["return_num_input_tokens"]:
-            outputs.append(("num_input_tokens", out.num_prompt_tokens, "uint32"))
+            outputs.append(("num_input_tokens", [out.num_prompt_tokens], "uint32"))
         if returns["return_num_output_tokens"]:
-            outputs.append(("num_output_tokens", num_tokens, "uint32"))
+            outputs.append(("num_output_tokens", counts, "uint32"))
         if returns["return_cumulative_logprob"]:
-            outputs.append(("cumulative_logprob", out.cumulative_logprob, "float32"))
+            cumulative = [s.cumulative_logprob for s in self.seqs]
+            outputs.append(("cumulative_logprob", cumulative, "float32"))
         if returns["return_logprobs"]:
             # Streaming: the tokens since the last reply; otherwise every token's.
-            chosen = self.logprobs[self.logprobs_sent :] if self.req.stream else self.logprobs
-            self.logprobs_sent = len(self.logprobs)
-            outputs.append(("logprobs", json.dumps(chosen).encode(), "object"))
+            sent = []
+            for s in self.seqs:
+                chosen = s.logprobs[s.logprobs_sent :] if self.req.stream else s.logprobs
+                s.logprobs_sent = len(s.logprobs)
+                sent.append(json.dumps(chosen).encode())
+            outputs.append(("logprobs", sent, "object"))
         return outputs

@@ -301,7 +301,7 @@ def test_stream_replies() -> None:
     assert whole.unanswered
     reply = whole.on_delta(RequestOutput("r", text=" b", token_ids=[2], finished=True))
     assert reply is not None and reply.final
-    assert reply.outputs == [("text_output", b"P a b", "object")]
+    assert reply.outputs == [("text_output", [b"P a b"], "object")]
     live = Stream("s", None, ParsedRequest("P", SamplingParams(), True, returns))
     reply = live.on_delta(RequestOutput("s", text=" a", token_ids=[1]))
     assert reply is not None and not reply.final and not live.unanswered
@@ -331,7 +331,7 @@ def test_logprobs_cover_every_token(stream: bool) -> None:
     s = Stream("r", None, ParsedRequest("P", SamplingParams(), stream, returns))
     replies = [s.on_delta(d) for d in _logprob_deltas("r")]
     sent = [
-        json.loads(dict((n, v) for n, v, _ in r.outputs)["logprobs"])
+        json.loads(dict((n, v) for n, (v,), _ in r.outputs)["logprobs"])
         for r in replies
         if r is not None
     ]
@@ -353,7 +353,7 @@ def test_logprobs_with_top_tokens_and_their_text() -> None:
     s = Stream("r", None, req, decode_token=lambda t: f"<{t}>")
     replies = [s.on_delta(d) for d in _logprob_deltas("r", top=True)]
     assert replies[3] is not None and replies[3].outputs is not None
-    sent = json.loads(dict((n, v) for n, v, _ in replies[3].outputs)["logprobs"])
+    sent = json.loads(dict((n, v) for n, (v,), _ in replies[3].outputs)["logprobs"])
     top = {
         "1": {"logprob": pytest.approx(-0.1), "rank": 1, "decoded_token": "<1>"},
         "9": {"logprob": pytest.approx(-0.15), "rank": 2, "decoded_token": "<9>"},
@@ -368,7 +368,7 @@ def test_logprobs_with_top_tokens_and_their_text() -> None:
     s = Stream("q", None, ParsedRequest("P", SamplingParams(logprobs=True), False, returns))
     reply = s.on_delta(ruled_out)
     assert reply is not None and reply.outputs is not None
-    sent = json.loads(dict((n, v) for n, v, _ in reply.outputs)["logprobs"])
+    sent = json.loads(dict((n, v) for n, (v,), _ in reply.outputs)["logprobs"])
     assert sent == [{"7": {"logprob": -9999.0, "rank": 50}}]  # strict JSON: no -Infinity
 
 
@@ -414,6 +414,68 @@ def test_token_decoder_keeps_byte_level_tokens_as_decoded(default_tokenizer: str
     assert "".join(decode(t) for t in ids) == " hello world, x  y"
 
 
+def test_stream_of_n_sequences_replies_one_value_a_sequence() -> None:
+    returns = dict.fromkeys(RETURN_FLAGS, True)
+    params = SamplingParams(n=2, logprobs=True)
+
+    def delta(i: int, text: str, token: int, **kw: Any) -> RequestOutput:
+        return RequestOutput(
+            "r", text=text, token_ids=[token], logprobs=[-0.5], logprob_ranks=[1],
+            num_prompt_tokens=3, cumulative_logprob=-0.5 * token, index=i, **kw,
+        )  # fmt: skip
+
+    whole = Stream("r", None, ParsedRequest("P", params, False, returns, prefix="P"))
+    assert whole.on_delta(delta(0, " a", 1)) is None
+    assert whole.on_delta(delta(1, " b", 2)) is None
+    assert whole.on_delta(delta(1, " c", 3, finish_reason="length")) is None
+    reply = whole.on_delta(delta(0, " d", 4, finish_reason="stop", finished=True))
+    assert reply is not None and reply.final and reply.outputs is not None
+    got = {name: values for name, values, _ in reply.outputs}
+    assert got["text_output"] == [b"P a d", b"P b c"]
+    assert got["finish_reason"] == ["stop", "length"]
+    assert got["num_input_tokens"] == [3] and got["num_output_tokens"] == [2, 2]
+    assert got["cumulative_logprob"] == [-2.0, -1.5]
+    assert [len(json.loads(v)) for v in got["logprobs"]] == [2, 2]
+
+    live = Stream("r", None, ParsedRequest("P", params, True, returns))
+    replies = [
+        live.on_delta(d)
+        for d in (
+            delta(0, " a", 1), delta(1, " b", 2), delta(1, "", 3, finish_reason="length"),
+            delta(0, " d", 4, finish_reason="stop", finished=True),
+        )
+    ]  # fmt: skip
+    sent = [{n: v for n, v, _ in r.outputs} for r in replies if r and r.outputs]
+    assert [r.final for r in replies if r] == [False, False, False, True]
+    assert [s["text_output"] for s in sent] == [
+        [b" a", b""],
+        [b"", b" b"],
+        [b"", b""],
+        [b" d", b""],
+    ]
+    assert [s["finish_reason"] for s in sent] == [
+        ["", ""], ["", ""], ["", "length"], ["stop", "length"]
+    ]  # fmt: skip
+    assert [s["num_output_tokens"] for s in sent] == [[1, 0], [0, 1], [0, 1], [1, 0]]
+    assert [[len(json.loads(v)) for v in s["logprobs"]] for s in sent] == [
+        [1, 0], [0, 1], [0, 1], [1, 0]
+    ]  # fmt: skip
+
+
+def test_coalesce_ends_a_request_after_its_other_sequences() -> None:
+    a0 = RequestOutput("a", text="x", token_ids=[1])
+    a1 = RequestOutput("a", text="y", token_ids=[2], index=1)
+    a0_end = RequestOutput("a", text="z", token_ids=[3], finish_reason="stop", finished=True)
+    b = RequestOutput("b", text="w", token_ids=[4])
+    merged = [item for _, item in coalesce([("out", a0), ("out", a1), ("out", b), ("out", a0_end)])]
+    assert [(m.request_id, m.index, m.text, m.finished) for m in merged] == [
+        ("a", 1, "y", False), ("b", 0, "w", False), ("a", 0, "xz", True)
+    ]  # fmt: skip
+    a1_more = RequestOutput("a", text="v", token_ids=[5], index=1)
+    merged = [item for _, item in coalesce([("out", a1), ("out", a0), ("out", a1_more)])]
+    assert [(m.index, m.text) for m in merged] == [(1, "yv"), (0, "x")]
+
+
 def test_coalesce_merges_each_requests_queued_deltas() -> None:
     a1 = RequestOutput(
         "a", text="He", token_ids=[1], logprobs=[-0.1], logprob_ranks=[2],
@@ -452,10 +514,10 @@ def test_coalesce_merges_each_requests_queued_deltas() -> None:
     reply = live.on_delta(a)
     assert reply is not None and reply.final
     assert reply.outputs == [
-        ("text_output", b"Hello!", "object"),
-        ("num_output_tokens", 4, "uint32"),
+        ("text_output", [b"Hello!"], "object"),
+        ("num_output_tokens", [4], "uint32"),
     ]
-    assert live.num_output_tokens == 4
+    assert live.seqs[0].num_output_tokens == 4
 
 
 # --- HTTP clients that left (engine.serving.disconnects) --------------------------------------

@@ -150,6 +150,44 @@ def test_logprobs_with_top_tokens(server: Server, offline: Any) -> None:
     )
 
 
+def test_n_sequences_come_back_one_value_each(server: Server, offline: Any) -> None:
+    """`"n": 3` (vllm_backend's form): each output holds one value a sequence, the sequences
+    those of the offline engine (seeded `seed + index`), streamed over gRPC and whole over HTTP
+    generate."""
+    params = {"n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    ref = [o.text for o in offline.generate([PROMPT], SamplingParams.from_dict(params))]
+    assert len(ref) == 3 and len(set(ref)) > 1
+    fields = {
+        "text_input": PROMPT,
+        "sampling_parameters": json.dumps(params),
+        "return_finish_reason": True,
+        "return_num_output_tokens": True,
+        "exclude_input_in_output": True,
+    }
+    out = post_json(server, "generate", fields)
+    assert out["text_output"] == ref
+    assert out["finish_reason"] == ["length"] * 3 and out["num_output_tokens"] == [5] * 3
+    stream = GrpcStream(server)
+    try:
+        stream.send("n3", {**fields, "stream": True})
+        stream.wait_final(["n3"])
+    finally:
+        stream.close()
+    texts = ["", "", ""]
+    counts = [0, 0, 0]
+    for result in stream.responses["n3"]:
+        parts = result.as_numpy("text_output")
+        if parts is None:  # the final flag alone
+            continue
+        assert parts.shape == (3,)
+        for i, (part, count) in enumerate(zip(parts, result.as_numpy("num_output_tokens"))):
+            texts[i] += part.decode()
+            counts[i] += int(count)
+    assert texts == ref and counts == [5, 5, 5] and stream.finals["n3"] == 1
+    last = stream.responses["n3"][-1].as_numpy("finish_reason")  # the final response's
+    assert last is not None and [r.decode() for r in last] == ["length"] * 3
+
+
 def test_concurrent_streams_complete(server: Server, offline: Any) -> None:
     prompts = [f"Write a word that rhymes with {w}:" for w in ("cat", "dog", "sun", "tree")] * 2
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -210,7 +210,9 @@ class TritonPythonModel:
         elif reply.outputs is None:
             response = None
         else:
-            tensors = [pb_utils.Tensor(n, np.array([v], dtype=t)) for n, v, t in reply.outputs]
+            tensors = [
+                pb_utils.Tensor(n, np.array(values, dtype=t)) for n, values, t in reply.outputs
+            ]
             response = pb_utils.InferenceResponse(output_tensors=tensors)
         st.sender.send(response, flags=FINAL if reply.final else 0)
 
