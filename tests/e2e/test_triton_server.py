@@ -180,7 +180,9 @@ def test_n_sequences_come_back_one_value_each(server: Server, offline: Any) -> N
         if parts is None:  # the final flag alone
             continue
         assert parts.shape == (3,)
-        for i, (part, count) in enumerate(zip(parts, result.as_numpy("num_output_tokens"))):
+        for i, (part, count) in enumerate(
+            zip(parts, result.as_numpy("num_output_tokens"), strict=True)
+        ):
             texts[i] += part.decode()
             counts[i] += int(count)
     assert texts == ref and counts == [5, 5, 5] and stream.finals["n3"] == 1
