@@ -7,13 +7,16 @@ as in tests/test_scheduler.py, so it runs in seconds on a CPU) through two workl
 
 - `chat`: conversations that share one system prompt, each turn's prompt being the whole
   history (system prompt, earlier turns and answers) plus a new user message;
-- `shared_prompt`: single-turn requests behind one long shared instruction.
+- `shared_prompt`: single-turn requests behind one long shared instruction;
+- `n_sequences`: requests of n = 4 sequences (`SamplingParams.n`: the engine runs each as a
+  request of its own) over prompts of their own.
 
 and reports, per page size: the share of prompt tokens served from the cache, the prefill
 tokens actually computed, and the slots held by running requests against the tokens they hold
 (a request owns whole pages, so its last page is partly empty), at the peak and on average.
 
     .venv/bin/python perf/bench_page_size.py [--pages 1,16,64] [--json out.json]
+        [--no-in-batch-check]   (as the scheduler ran before its in-batch prefix check)
 """
 
 from __future__ import annotations
@@ -134,6 +137,20 @@ def shared_prompt(page: int, seed: int = 1) -> Result:
     return _result("shared_prompt", page, driver)
 
 
+def n_sequences(page: int, seed: int = 2) -> Result:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(64):
+        prompt = [rng.randrange(100, 30000) for _ in range(rng.randrange(800, 1200))]
+        params = SamplingParams(max_tokens=rng.randrange(20, 120), ignore_eos=True)
+        reqs += [
+            Req(rid=f"r{i}/{k}", prompt_ids=prompt, params=params, arrival=0) for k in range(4)
+        ]
+    driver = Driver(page, pool=1 << 20, max_running=64)
+    driver.run(reqs, lambda req: None)
+    return _result("n_sequences", page, driver)
+
+
 def _result(workload: str, page: int, driver: Driver) -> Result:
     c = driver.sched.counters
     driver.sched.check_integrity()
@@ -154,9 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--pages", default="1,16,64")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-in-batch-check", action="store_true")
     args = ap.parse_args(argv)
+    if args.no_in_batch_check:  # no request waits for one of its step to compute its head
+        Scheduler._computed_in_batch = lambda self, req, cached, entries: False  # type: ignore[method-assign]
     results = [
-        fn(int(p)) for fn in (chat, shared_prompt) for p in args.pages.split(",") if p.strip()
+        fn(int(p))
+        for fn in (chat, shared_prompt, n_sequences)
+        for p in args.pages.split(",")
+        if p.strip()
     ]
     print(
         "workload       page | prompt tok | cache hits      | computed | peak held (tokens) | waste"

@@ -12,6 +12,8 @@ from engine.scheduler.batch import ForwardMode
 from engine.scheduler.request import Req, ReqStatus
 from engine.scheduler.scheduler import Scheduler
 
+GREEDY3 = SamplingParams(max_tokens=3, temperature=0.0)
+
 
 def _fake_token(req: Req) -> int:
     """A token that depends only on the request's tokens so far, like greedy decoding."""
@@ -531,3 +533,40 @@ def test_no_prefix_matching_while_no_request_can_be_admitted(
         sched.finish(req, "length")
     assert _step(sched)[:2] == ["w0", "w1"]
     assert matched  # ordered (and admitted) once rows are free
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_prompts_sharing_an_uncached_head_compute_it_once(page: int) -> None:
+    """Requests waiting behind one that computes the same uncached tokens in this prefill step
+    (the sequences of an n > 1 request, a burst behind one system prompt) wait for the next
+    step and take those tokens from the cache; a short shared head does not hold them back."""
+    system = [(7 * i) % 997 + 1 for i in range(300)]
+    same = [Req(rid=f"n{i}", prompt_ids=list(system), params=GREEDY3, arrival=0) for i in range(4)]
+    tails = [
+        Req(rid=f"t{i}", prompt_ids=system + [500 + i, 600 + i], params=GREEDY3, arrival=0)
+        for i in range(3)
+    ]
+    short = [Req(rid=f"s{i}", prompt_ids=system[:20] + [i + 1], params=GREEDY3, arrival=0)
+             for i in range(2)]  # fmt: skip
+    config = EngineConfig(chunked_prefill_size=128, page_size=page)
+    sched = Scheduler(config, max_total_tokens=4096, max_context_len=4096, max_running=16)
+    reqs = same + tails + short
+    outputs = _run(sched, reqs)
+    for r in reqs:
+        assert outputs[r.rid] == _expected(r, 4096)
+    # The system prompt once (in chunks of 128), then each other prompt's own tokens: at
+    # most a page of the shared part again (a match ends at a whole page) and its tail.
+    own = sum(len(r.prompt_ids) - len(system) + 1 for r in same[1:] + tails)
+    short_own = sum(len(r.prompt_ids) for r in short)  # (20 shared tokens: under the check)
+    assert sched.counters.computed_prefill_tokens <= len(system) + own + short_own + 6 * (page - 1)
+    assert sched.counters.cache_hit_tokens >= 6 * (len(system) - page)
+
+
+def test_in_batch_prefix_waits_only_with_the_radix_cache() -> None:
+    system = [(3 * i) % 991 + 1 for i in range(100)]
+    config = EngineConfig(chunked_prefill_size=1024, disable_radix_cache=True)
+    sched = Scheduler(config, max_total_tokens=4096, max_context_len=4096, max_running=8)
+    for i in range(3):
+        sched.add_request(Req(rid=f"r{i}", prompt_ids=list(system), params=GREEDY3, arrival=0))
+    out = sched.schedule()
+    assert out is not None and len(out.reqs) == 3  # nothing to wait for without a cache

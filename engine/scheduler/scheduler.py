@@ -8,10 +8,13 @@ step is always followed by a decode step, and it takes only as many tokens as fi
 time of a decode step, or PREFILL_STALL_S if that is longer (from the step times the engine
 reports, `record_step`, fit as a fixed cost plus a cost per token: step_cost.py); and in a
 prefill step, requests whose whole remaining input fits go before the chunks of longer ones.
-When a decode step cannot get a slot for every running request, even after evicting unlocked
-prefixes from the radix cache, the most recently admitted requests are retracted: their
-computed tokens go into the radix tree (unlocked, so they can be evicted and recomputed later)
-and they return to the front of the queue, keeping their output so far.
+A waiting request whose next uncached tokens a request of the same prefill step computes (the
+sequences of an n > 1 request, a burst of prompts behind one new system prompt) waits a step and
+then takes them from the radix cache. When a decode step cannot get a slot for every running
+request, even after evicting unlocked prefixes from the radix cache, the most recently admitted
+requests are retracted: their computed tokens go into the radix tree (unlocked, so they can be
+evicted and recomputed later) and they return to the front of the queue, keeping their output so
+far.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.mem_cache.allocator import TokenSlotAllocator
-from engine.mem_cache.radix_cache import RadixCache
+from engine.mem_cache.radix_cache import MatchResult, RadixCache
 from engine.scheduler.batch import BatchEntry, ForwardMode, ScheduledBatch
 from engine.scheduler.request import Req, ReqStatus
 from engine.scheduler.step_cost import PrefillCost
@@ -38,6 +41,12 @@ PREFILL_MAX_SKIPS = 8
 # chunk takes seconds, and the budget below shrinks it to about one decode step's time.
 PREFILL_STALL_S = 0.1
 STEP_TIME_EMA = 0.5  # weight of the newest step in the step-time averages
+# A waiting request whose next uncached tokens (this many, or a page if longer) are what a
+# request in the same prefill step computes at the same positions waits for the next step and
+# takes them from the radix cache instead of computing them again: the sequences of an n > 1
+# request, or a burst of prompts behind one uncached system prompt (SGLang's in-batch prefix
+# check).
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 @dataclass
@@ -174,7 +183,12 @@ class Scheduler:
             if budget <= 0:
                 break
             admitted_now = req.status == ReqStatus.WAITING
-            if admitted_now and not (admission_open and self._admit(req)):
+            if admitted_now and admission_open and self._can_admit():
+                match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+                if self._computed_in_batch(req, len(match.slots), entries):
+                    continue  # the next step finds these tokens in the cache
+                self._admit(req, match)
+            elif admitted_now:
                 admission_open = False  # no row free: admitted requests may still go on
                 continue
             prefix_len = req.num_computed
@@ -224,12 +238,10 @@ class Scheduler:
             return None
         return ScheduleOutput(ScheduledBatch(ForwardMode.EXTEND, entries), reqs, sample_rows)
 
-    def _admit(self, req: Req) -> bool:
-        """Give a waiting request a req_to_token row and its cached prefix (locked)."""
-        if not self._can_admit():
-            return False
-        # At least one token is always computed, so the last input token yields logits.
-        match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
+    def _admit(self, req: Req, match: MatchResult) -> None:
+        """Give a waiting request a req_to_token row and its cached prefix (`match`, of its
+        input but the last token: at least one token is always computed, so that the last
+        input token yields logits), locked."""
         self.tree.inc_lock_ref(match.last_node)
         req.last_node = match.last_node
         req.kv_slots = list(match.slots)
@@ -241,7 +253,25 @@ class Scheduler:
             self.counters.cache_queried_tokens += len(req.prompt_ids)
         self.waiting.remove(req)
         self.prefilling.append(req)
-        return True
+
+    def _computed_in_batch(self, req: Req, cached: int, entries: list[BatchEntry]) -> bool:
+        """Whether a request of this prefill step computes the next IN_BATCH_PREFIX_TOKENS (or
+        a page) of `req`'s input after its `cached` tokens, at the same positions (from within
+        the page where `cached` ends: a match ends at a whole page)."""
+        if self.tree.disable:
+            return False
+        page = self.config.page_size
+        want = max(IN_BATCH_PREFIX_TOKENS, page)
+        if req.fill_len - 1 - cached < want:
+            return False
+        ids = req.all_ids
+        for e in entries:
+            start = max(cached, e.prefix_len)
+            at = start - e.prefix_len
+            if start - cached < page and at + want <= len(e.input_ids):
+                if e.input_ids[at : at + want] == ids[start : start + want]:
+                    return True
+        return False
 
     def _unadmit(self, req: Req) -> None:
         assert req.last_node is not None
