@@ -11,7 +11,12 @@ requests and ends the in-flight ones once `grace_s` has passed.
 Python runs signal handlers in the main thread only, and the stub's main thread sits in C++, so
 the handler is a no-op and the signal is read from `signal.set_wakeup_fd` by a watcher thread.
 That thread also ends the stub when its server has died (the stub was re-parented): such a stub
-otherwise lingers, ignoring SIGTERM, with the KV cache and the model's memory.
+otherwise lingers, ignoring SIGTERM, with the KV cache and the model's memory. A thread of the
+stub cannot always do it: a server killed while it held a lock that the stub shares with it can
+leave a stub thread blocked on that lock with the GIL held, and then no Python thread of the stub
+runs again (seen under CPU load after `kill -9` of the launcher: every stub thread in a futex
+wait a minute later). So a watchdog process (`python -I -S`, `_WATCHDOG`) watches the stub from
+outside and kills it, and what it started, once the stub's parent is no longer the server.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import multiprocessing
 import os
 import select
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +59,51 @@ def parse_grace(raw: str) -> float:
     return value
 
 
+# The watchdog: argv stub pid, server pid, poll seconds. Until the stub is gone it checks every
+# poll that the stub's parent is still the server; once not, it removes the stub's shared-memory
+# region and kills the stub and every process below it (the engine's process, tensor-parallel
+# workers), the tree read before the first kill. Signals aimed at a terminal's process group are
+# ignored: it ends with the stub.
+_WATCHDOG = """
+import os, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+stub, server, poll = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+
+def parent(pid):  # None once the process is gone (or a zombie)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if state == "Z" else int(ppid)
+
+while parent(stub) == server:
+    time.sleep(poll)
+if parent(stub) is None:
+    sys.exit(0)
+tree, found = [stub], True
+while found:
+    found = False
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        if pid not in tree and pid != os.getpid() and parent(pid) in tree:
+            tree.append(pid)
+            found = True
+try:
+    with open(f"/proc/{stub}/cmdline", "rb") as f:
+        for arg in f.read().decode(errors="replace").split("\\0"):
+            if arg.startswith("triton_python_backend_shm_region"):
+                os.unlink(os.path.join("/dev/shm", arg))
+except OSError:
+    pass
+for pid in tree:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
 class ServerLifecycle:
     """Watches for a drain signal and for the death of the server (this process's parent).
 
@@ -78,6 +129,7 @@ class ServerLifecycle:
         self.signals_hooked = _hook_signals(wfd)
         self._thread = threading.Thread(target=self._watch, name="llm-lifecycle", daemon=True)
         self._thread.start()
+        self.watchdog = _start_watchdog(self._ppid, poll_s)
 
     @property
     def draining(self) -> bool:
@@ -99,6 +151,16 @@ class ServerLifecycle:
             if os.getppid() != self._ppid:
                 self._on_orphaned()
                 return
+
+
+def _start_watchdog(server: int, poll_s: float) -> subprocess.Popen[bytes]:
+    """The watchdog process of this process (see `_WATCHDOG`), whose parent is `server`."""
+    from engine.engine_process import python_executable  # (the stub's sys.executable is no python)
+
+    cmd = [python_executable(), "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(server)]
+    cmd.append(str(poll_s))
+    quiet = subprocess.DEVNULL  # (holding the stub's pipes open would keep its reader waiting)
+    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet, close_fds=True)
 
 
 def _hook_signals(wakeup_fd: int) -> bool:

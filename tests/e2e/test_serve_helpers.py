@@ -648,6 +648,36 @@ def test_an_orphaned_stub_ends_itself() -> None:
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
+def test_a_hung_orphaned_stub_is_ended_from_outside() -> None:
+    """A stub whose threads can no longer run Python once its server is gone (one holds the GIL,
+    blocked for good) is killed by its watchdog process, with the process it started."""
+    grandchild = (
+        "import ctypes, subprocess, sys, time\n"
+        "from engine.serving.lifecycle import ServerLifecycle\n"
+        "ServerLifecycle(grace_s=1.0, poll_s=0.1)\n"
+        "engine = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(engine.pid, flush=True)\n"
+        "ctypes.PyDLL(None).sleep(60)\n"  # (a C call made holding the GIL: no thread runs)
+    )
+    code = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], stdout=subprocess.PIPE)\n"
+        "print(p.pid, p.stdout.readline().decode().strip())\n"
+    )
+    pids = [int(p) for p in run_python(code).split()]
+    deadline = time.monotonic() + 5
+    while any(_lives(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_lives(p) for p in pids), pids
+
+
+def _lives(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 # --- AsyncEngine's checks before any work is queued ---------------------------------------------
 
 
