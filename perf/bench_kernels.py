@@ -770,7 +770,13 @@ def main() -> None:
         help="mla_decode.GLUON_SLOTS_AHEAD 2: the Gluon kernels' loader reads slot ids two "
         "tiles ahead at page size 1",
     )  # fmt: skip
+    ap.add_argument(
+        "--q-one-term", action="store_true",
+        help="mla_decode.GLUON_Q_ONE_TERM: the FP8 register-V form quantizes q as one e4m3 term",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.q_one_term:
+        md.GLUON_Q_ONE_TERM = True
     if args.pv_regs:
         md.GLUON_PV_REGS_TOKENS = 0
     if args.slots_ahead2:

@@ -15,8 +15,8 @@
 #                                                  bench_engine; tune_p1, gluon16, gluon128,
 #                                                  heads128, issue16, ids_ahead, ids_ahead_ab,
 #                                                  ids_ahead_engine, fp8_prefill, tile_clock
-#                                                  two_programs and loader_warps only when
-#                                                  named)
+#                                                  two_programs, loader_warps and
+#                                                  h200_candidates only when named)
 set -u
 STEPS=${*:-all}
 OUT=${OUT:-perf/results/device}
@@ -40,15 +40,15 @@ step() {
     tail -n 4 "$OUT/$name.txt"
 }
 
-# abba NAME SECONDS COMMAND...: COMMAND as four processes, default, `--slots-ahead2`, the same,
-# default (each run's "{run}" in COMMAND's words replaced by its number); the logs in
-# $OUT/NAME<run>.txt, each one's tail shown.
+# abba NAME SECONDS COMMAND...: COMMAND as four processes, default, with $ABBA_FLAGS (default
+# `--slots-ahead2`), the same, default (each run's "{run}" in COMMAND's words replaced by its
+# number); the logs in $OUT/NAME<run>.txt, each one's tail shown.
 abba() {
     local name=$1 limit=$2 run extra
     shift 2
     for run in 1 2 3 4; do
         extra=""
-        [[ $run == 2 || $run == 3 ]] && extra="--slots-ahead2"
+        [[ $run == 2 || $run == 3 ]] && extra=${ABBA_FLAGS:---slots-ahead2}
         echo "== $name $run ${extra:-(default)}"
         timeout "$limit" "${@//\{run\}/$run}" $extra > "$OUT/$name$run.txt" 2>&1
         echo "rc=$?"
@@ -140,6 +140,14 @@ if [[ " $STEPS " == *" ids_ahead_ab "* ]]; then
         --fp8-forms a2 regs84a2 regs4a2q1 regs84a2q1 > "$OUT/ids_ahead_l2.txt" 2>&1
     echo "rc=$?"
     grep '^| fp8' "$OUT/ids_ahead_l2.txt"
+fi
+# The H200 candidates for the 1.6x line (issue 16): the 16-head kernel grid with the loader
+# reading slot ids two tiles ahead and q as one e4m3 term (FlashMLA FP8's quantization; its
+# error against FlashMLA bf16 is printed beside FlashMLA FP8's) against the default, alternated
+# (default, candidate, candidate, default). Only when named (`... h200_candidates`).
+if [[ " $STEPS " == *" h200_candidates "* ]]; then
+    ABBA_FLAGS="--slots-ahead2 --q-one-term" abba h200_candidates 140 python3 \
+        perf/bench_kernels.py --no-moe --no-fp8-bmm --heads 16 --out "$OUT/h200_candidates{run}"
 fi
 # Two programs an SM: the register-V form with 2 or 3 e4m3 tiles (74-110 KB of shared
 # memory) at twice the engine's split count, so that two attention warp groups share each SM's

@@ -193,6 +193,18 @@ def test_engine_reads_v_into_registers_for_large_fp8_calls() -> None:
     assert not gluon_config(16, 128, 16384, fp8=False).pv_regs
 
 
+def test_q_as_one_term_applies_to_the_register_v_form_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.kernels import mla_decode
+
+    assert gluon_config(16, 64, 16384).q_residual  # two e4m3 terms by default
+    monkeypatch.setattr(mla_decode, "GLUON_Q_ONE_TERM", True)
+    assert not gluon_config(16, 64, 16384).q_residual
+    small = gluon_config(16, 1, 1024)
+    assert not small.pv_regs and small.q_residual
+
+
 def test_engine_picks_the_wide_kernel_for_wide_fp8_calls() -> None:
     """At 128 heads the engine takes 64 heads a program from batch 8 (q as one e4m3 term, 3
     tiles), and keeps 16 at batch 1; the 32-head form serves a latent the wide kernel does not."""

@@ -76,6 +76,12 @@ GLUON_MERGE_INSIDE = False
 # HBM, level in the engine; not timed on an H200 (where run BA's FP8 call at page size 1 was
 # 1.04-1.09x the paged one at batch 64-128, ctx 4K-16K).
 GLUON_SLOTS_AHEAD = 1
+# True: the 16-head FP8 Gluon kernel reading V into registers (`pv_regs`) takes q as one e4m3
+# term (FlashMLA FP8's quantization of q) instead of two: half the QK wgmmas' width, 3-4% off
+# the call held in L2 on an H100, 7.8e-3 from the two-term output (run BB, `regs4q1`); an
+# H200 candidate with GLUON_SLOTS_AHEAD 2 for the 1.6x line. `perf/bench_kernels.py
+# --q-one-term` sets it for a run.
+GLUON_Q_ONE_TERM = False
 
 
 @triton.jit
@@ -621,7 +627,9 @@ def gluon_config(
         # heads a program takes these calls where the model's shape allows.
         cfg = cfg._replace(block_h=32, num_stages=2, gluon=2, v_rows=32, gluon_heads=32)
     elif batch * max_seq_len >= GLUON_PV_REGS_TOKENS:
-        cfg = cfg._replace(num_stages=4, gluon=1, v_rows=64, pv_regs=True)
+        cfg = cfg._replace(
+            num_stages=4, gluon=1, v_rows=64, pv_regs=True, q_residual=not GLUON_Q_ONE_TERM
+        )
     return cfg
 
 
