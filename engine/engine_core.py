@@ -169,7 +169,8 @@ class EngineCore:
             if child in self.states or child in self.families:
                 raise ValueError(f"request id {child!r} (a sequence of {rid!r}) is already running")
         family = _Family(rid, callback, children)
-        # (every state first: all that can fail does so before the scheduler has any of them)
+        # (every state first: all that can fail does so before the scheduler has any of them;
+        # the scheduler refuses the prompt, if at all, with the first sequence)
         states = [
             self._new_state(
                 child, prompt_ids, params.for_sequence(i),
@@ -177,8 +178,9 @@ class EngineCore:
             )
             for i, child in enumerate(children)
         ]  # fmt: skip
+        self._admit(states[0])
         self.families[rid] = family
-        for state in states:
+        for state in states[1:]:
             self._admit(state)
 
     def _new_state(
@@ -387,9 +389,9 @@ class EngineCore:
         return self.runner.device_error()
 
     def fail_all(self, error: str) -> bool:
-        """End every request with an error (the loop hit an exception it cannot recover from).
-        False if a request's bookkeeping failed on the way: it still got its final output, but
-        its slots may be lost and the engine should not serve again."""
+        """End every request with an error (the loop hit an exception it cannot recover from),
+        and empty the prefix cache. False if a request's bookkeeping failed on the way: it still
+        got its final output, but its slots may be lost and the engine should not serve again."""
         self._launched = None
         clean = True
         for state in list(self.states.values()):
@@ -405,6 +407,9 @@ class EngineCore:
                     state,
                     RequestOutput(state.req.rid, finished=True, finish_reason="abort", error=error),
                 )
+        if clean:
+            # (the failed step's prefill chunks entered the prefix cache at its launch)
+            self.scheduler.drop_prefix_cache()
         return clean
 
     # ---- stats -------------------------------------------------------------------------------

@@ -72,22 +72,25 @@ class RequestTimer:
     """Times one request from its arrival, delta by delta (monotonic clock).
 
     A delta of n tokens after the first counts as n gaps of equal length: the engine may hand
-    several tokens over at once, and each of them waited its share.
+    several tokens over at once, and each of them waited its share. The sequences of an n > 1
+    request (`index`) are timed apart: the first token is the first of any, gaps are each
+    sequence's own.
     """
 
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    last_token_at: float = 0.0
+    last_token_at: dict[int, float] = field(default_factory=dict)  # by sequence
     gaps: list[float] = field(default_factory=list)
 
-    def on_tokens(self, n: int, now: float | None = None) -> None:
-        """`n` new output tokens arrived (call only when n > 0)."""
+    def on_tokens(self, n: int, now: float | None = None, index: int = 0) -> None:
+        """`n` new output tokens of sequence `index` arrived (call only when n > 0)."""
         now = time.monotonic() if now is None else now
         if self.first_token_at is None:
             self.first_token_at = now
-        else:
-            self.gaps.extend([(now - self.last_token_at) / n] * n)
-        self.last_token_at = now
+        last = self.last_token_at.get(index)
+        if last is not None:
+            self.gaps.extend([(now - last) / n] * n)
+        self.last_token_at[index] = now
 
     def timing(
         self, now: float | None = None, engine: RequestMetrics | None = None

@@ -609,6 +609,9 @@ def test_n_sequences_stream_under_one_id_and_abort_together(tiny_mla) -> None:
     core.add_request("r", [5, 6, 7], short, got.append)
     with pytest.raises(ValueError, match="'r' is already running"):
         core.add_request("r", [5], SamplingParams(), got.append)
+    with pytest.raises(ValueError, match="the prompt is empty"):  # the scheduler refuses it
+        core.add_request("e", [], short, got.append)
+    assert "e" not in core.families and "e/0" not in core.states
     while core.has_work():
         core.step()
     assert {d.request_id for d in got} == {"r"}
@@ -638,3 +641,33 @@ def test_n_sequences_stream_under_one_id_and_abort_together(tiny_mla) -> None:
     assert all(d.error is None for d in got[:-1])
     assert sorted(d.index for d in got if d.finish_reason == "abort") == [0, 1]
     assert not core.families
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefill_that_fails_after_its_launch_leaves_no_cached_prefix(
+    tiny_llama: str, overlap: bool
+) -> None:
+    """A prefill chunk enters the prefix cache when its step is launched; if the step then fails
+    (its ids never arrive), the cache must not offer that KV to the next request."""
+    llm = LLM(tiny_llama, dtype="float32", max_total_tokens=1024, enable_overlap=overlap)
+    core, runner = llm.core, llm.core.runner
+    real_launch = runner.launch
+
+    def launch_that_fails(batch, sample_rows, requests):  # type: ignore[no-untyped-def]
+        step = real_launch(batch, sample_rows, requests)
+
+        def result():  # type: ignore[no-untyped-def]
+            raise RuntimeError("injected failure after launch")
+
+        step.result = result
+        return step
+
+    runner.launch = launch_that_fails  # type: ignore[method-assign]
+    prompt = list(range(300, 364))
+    with pytest.raises(RuntimeError, match="after launch"):
+        llm.generate([prompt], GREEDY)
+    assert core.scheduler.tree.total_size() == 0
+    runner.launch = real_launch  # type: ignore[method-assign]
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens == 0 and again.finish_reason == "length"
+    _check_idle(llm)

@@ -570,3 +570,25 @@ def test_in_batch_prefix_waits_only_with_the_radix_cache() -> None:
         sched.add_request(Req(rid=f"r{i}", prompt_ids=list(system), params=GREEDY3, arrival=0))
     out = sched.schedule()
     assert out is not None and len(out.reqs) == 3  # nothing to wait for without a cache
+
+
+def test_in_batch_prefix_needs_the_same_head_before_the_window() -> None:
+    """A request that matches a computing request's window at the same positions but not the
+    tokens before it (another cached head of the same length) does not wait for it."""
+    config = EngineConfig(chunked_prefill_size=1024, schedule_policy="fcfs")
+    sched = Scheduler(config, max_total_tokens=4096, max_context_len=4096, max_running=8)
+    head, other_head, doc = (
+        list(range(1000, 1040)),
+        list(range(2000, 2010)),
+        list(range(3000, 3064)),
+    )
+    warm = Req(rid="warm", prompt_ids=head, params=GREEDY3, arrival=0)
+    sched.add_request(warm)
+    out = sched.schedule()
+    assert out is not None
+    sched.process_batch(out, dict.fromkeys(out.sample_rows, 5))
+    sched.finish(warm, "length")  # head is cached now
+    sched.add_request(Req(rid="e", prompt_ids=other_head + doc, params=GREEDY3, arrival=0))
+    sched.add_request(Req(rid="a", prompt_ids=head[:10] + doc, params=GREEDY3, arrival=0))
+    out = sched.schedule()
+    assert out is not None and [r.rid for r in out.reqs] == ["e", "a"]

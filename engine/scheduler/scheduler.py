@@ -185,7 +185,7 @@ class Scheduler:
             admitted_now = req.status == ReqStatus.WAITING
             if admitted_now and admission_open and self._can_admit():
                 match = self.tree.match_prefix(req.all_ids[: req.fill_len - 1])
-                if self._computed_in_batch(req, len(match.slots), entries):
+                if self._computed_in_batch(req, len(match.slots), entries, reqs):
                     continue  # the next step finds these tokens in the cache
                 self._admit(req, match)
             elif admitted_now:
@@ -254,10 +254,13 @@ class Scheduler:
         self.waiting.remove(req)
         self.prefilling.append(req)
 
-    def _computed_in_batch(self, req: Req, cached: int, entries: list[BatchEntry]) -> bool:
-        """Whether a request of this prefill step computes the next IN_BATCH_PREFIX_TOKENS (or
-        a page) of `req`'s input after its `cached` tokens, at the same positions (from within
-        the page where `cached` ends: a match ends at a whole page)."""
+    def _computed_in_batch(
+        self, req: Req, cached: int, entries: list[BatchEntry], reqs: list[Req]
+    ) -> bool:
+        """Whether a request of this prefill step (`entries` of `reqs`) computes the next
+        IN_BATCH_PREFIX_TOKENS (or a page) of `req`'s input after its `cached` tokens, with the
+        same tokens before them (from within the page where `cached` ends: a match ends at a
+        whole page)."""
         if self.tree.disable:
             return False
         page = self.config.page_size
@@ -265,12 +268,14 @@ class Scheduler:
         if req.fill_len - 1 - cached < want:
             return False
         ids = req.all_ids
-        for e in entries:
+        for e, other in zip(entries, reqs, strict=True):
             start = max(cached, e.prefix_len)
             at = start - e.prefix_len
             if start - cached < page and at + want <= len(e.input_ids):
                 if e.input_ids[at : at + want] == ids[start : start + want]:
-                    return True
+                    # (the head last: only a request the window matched pays for it)
+                    if other.all_ids[:start] == ids[:start]:
+                        return True
         return False
 
     def _unadmit(self, req: Req) -> None:
@@ -437,6 +442,12 @@ class Scheduler:
             self._release(req, keep_kv)
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
+
+    def drop_prefix_cache(self) -> None:
+        """Free everything the radix tree holds (no request may be running). After a failed
+        step: a prefill chunk enters the tree when its step is launched, so the tree may hold
+        KV that the failed step never wrote."""
+        self.tree.reset()
 
     def retract(self, req: Req) -> None:
         """Preempt an admitted request back to the front of the queue, keeping its output."""

@@ -21,6 +21,7 @@ outside and kills it, and what it started, once the stub's parent is no longer t
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
@@ -31,6 +32,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 GRACE_ENV = "LLM_SHUTDOWN_GRACE_S"
 DEFAULT_GRACE_S = 10.0
@@ -59,18 +62,20 @@ def parse_grace(raw: str) -> float:
     return value
 
 
-# The watchdog: argv stub pid, server pid, poll seconds. Until the stub is gone it checks every
+# The watchdog: argv stub pid, server pid, poll seconds. It holds a pidfd of the stub (so that a
+# pid reused after the stub's exit is never taken for it) and, until the stub exits, checks every
 # poll that the stub's parent is still the server; once not, it removes the stub's shared-memory
 # region and kills the stub and every process below it (the engine's process, tensor-parallel
-# workers), the tree read before the first kill. Signals aimed at a terminal's process group are
-# ignored: it ends with the stub.
+# workers), each through a pidfd taken before its parent was checked. Signals aimed at a
+# terminal's process group are ignored: it ends with the stub. Without pidfds (Linux < 5.3) it
+# exits at once, leaving the stub's own watch thread.
 _WATCHDOG = """
-import os, signal, sys, time
+import os, select, signal, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
 stub, server, poll = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 
-def parent(pid):  # None once the process is gone (or a zombie)
+def parent(pid):  # None: gone, a zombie, or unreadable
     try:
         with open(f"/proc/{pid}/stat") as f:
             state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
@@ -78,16 +83,34 @@ def parent(pid):  # None once the process is gone (or a zombie)
         return None
     return None if state == "Z" else int(ppid)
 
-while parent(stub) == server:
-    time.sleep(poll)
-if parent(stub) is None:
+def handle(pid):
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+def exited(fd, wait=0.0):
+    return bool(select.select([fd], [], [], wait)[0])
+
+stub_fd = handle(stub)
+if stub_fd is None or os.getppid() != stub:
+    sys.exit(0)  # no pidfds, or the stub is already gone (the handle may be another's)
+while not exited(stub_fd, poll):
+    up = parent(stub)
+    if up is not None and up != server and not exited(stub_fd):
+        break
+else:
     sys.exit(0)
-tree, found = [stub], True
+tree, handles, found = [stub], [stub_fd], True
 while found:
     found = False
     for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
-        if pid not in tree and pid != os.getpid() and parent(pid) in tree:
+        if pid in tree or pid == os.getpid() or parent(pid) not in tree:
+            continue
+        fd = handle(pid)
+        if fd is not None and parent(pid) in tree:  # (checked again behind the handle)
             tree.append(pid)
+            handles.append(fd)
             found = True
 try:
     with open(f"/proc/{stub}/cmdline", "rb") as f:
@@ -96,9 +119,9 @@ try:
                 os.unlink(os.path.join("/dev/shm", arg))
 except OSError:
     pass
-for pid in tree:
+for fd in handles:
     try:
-        os.kill(pid, signal.SIGKILL)
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
     except OSError:
         pass
 """
@@ -153,14 +176,19 @@ class ServerLifecycle:
                 return
 
 
-def _start_watchdog(server: int, poll_s: float) -> subprocess.Popen[bytes]:
-    """The watchdog process of this process (see `_WATCHDOG`), whose parent is `server`."""
+def _start_watchdog(server: int, poll_s: float) -> subprocess.Popen[bytes] | None:
+    """The watchdog process of this process (see `_WATCHDOG`), whose parent is `server`; None
+    (with a warning) where no Python interpreter can run it."""
     from engine.engine_process import python_executable  # (the stub's sys.executable is no python)
 
-    cmd = [python_executable(), "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(server)]
-    cmd.append(str(poll_s))
-    quiet = subprocess.DEVNULL  # (holding the stub's pipes open would keep its reader waiting)
-    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet, close_fds=True)
+    try:
+        cmd = [python_executable(), "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(server)]
+        cmd.append(str(poll_s))
+        quiet = subprocess.DEVNULL  # (holding the stub's pipes open would keep its reader waiting)
+        return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet, close_fds=True)
+    except (OSError, RuntimeError) as e:  # (EngineProcessError: no python3 on PATH)
+        logger.warning("no watchdog process for this stub: %s", e)
+        return None
 
 
 def _hook_signals(wakeup_fd: int) -> bool:

@@ -255,7 +255,7 @@ class Stream:
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
         if out.token_ids:
-            self.timer.on_tokens(len(out.token_ids))
+            self.timer.on_tokens(len(out.token_ids), index=out.index)
             seq.num_output_tokens += len(out.token_ids)
             if returns["return_logprobs"]:
                 # NOTE: kept for every token, also those whose text is held back (part of a

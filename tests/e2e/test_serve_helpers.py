@@ -233,6 +233,16 @@ def test_request_timer_splits_a_multi_token_delta() -> None:
     assert timing.queue_time is None and timing.prefill_time is None
 
 
+def test_request_timer_times_each_sequence_apart() -> None:
+    timer = RequestTimer(arrival=10.0)
+    for step in range(3):  # two sequences, a token each every 0.1 s, reported one after another
+        timer.on_tokens(1, now=10.5 + 0.1 * step, index=0)
+        timer.on_tokens(1, now=10.5 + 0.1 * step + 0.001, index=1)
+    timing = timer.timing(now=11.0)
+    assert timing.ttft == 0.5
+    assert timing.inter_token == pytest.approx([0.1] * 4)
+
+
 def test_request_timer_takes_the_engine_stages() -> None:
     timer = RequestTimer(arrival=10.0)
     timer.on_tokens(1, now=10.5)
