@@ -133,33 +133,33 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 def coalesce(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The model's queued events with each sequence's deltas ("out", RequestOutput) merged
-    into one, at the place of its first: a response thread that fell behind then sends one
-    response per sequence for everything it missed instead of one per step (a send costs about
-    half a millisecond in the Python backend). A request's final delta moves behind its other
-    sequences' (with n > 1). Other events keep their order; a "stop" ends the list."""
+    """The model's queued events with each request's deltas ("out", RequestOutput) gathered
+    into one ("out", [RequestOutput, ...]: a merged delta per sequence, the request's final one
+    last) at the place of its last: a response thread that fell behind then sends one response
+    per request for everything it missed instead of one per step and sequence (a send costs
+    about half a millisecond in the Python backend). Other events keep their order; a "stop"
+    ends the list."""
     merged: list[tuple[str, Any] | None] = []
-    at: dict[tuple[str, int], int] = {}  # (request id, index) -> its pending delta's place
-    last: dict[str, int] = {}  # request id -> the place of its last pending delta
+    groups: dict[str, dict[int, RequestOutput]] = {}  # request id -> a merged delta a sequence
+    at: dict[str, int] = {}  # request id -> the place of its deltas in `merged`
     for kind, item in events:
         if kind == "out":
             rid = item.request_id
-            i = at.get((rid, item.index))
-            if i is not None:
-                first = merged[i]
-                assert first is not None
-                item = merge_deltas(first[1], item)
-                if not item.finished or last[rid] == i:
-                    merged[i] = (kind, item)
-                    continue
-                merged[i] = None  # the request ends: after its other sequences' deltas
-            at[rid, item.index] = last[rid] = len(merged)
-            merged.append((kind, item))
+            if rid in at:
+                merged[at[rid]] = None  # (moved to this place)
+            deltas = groups.setdefault(rid, {})
+            first = deltas.pop(item.index, None)  # (put back last: the latest sequence last)
+            deltas[item.index] = item if first is None else merge_deltas(first, item)
+            at[rid] = len(merged)
+            merged.append((kind, rid))
             continue
         merged.append((kind, item))
         if kind == "stop":
             break
-    return [event for event in merged if event is not None]
+    return [
+        (kind, list(groups[item].values()) if kind == "out" else item)
+        for kind, item in (event for event in merged if event is not None)
+    ]
 
 
 # SentencePiece's word-start marker: a vocabulary piece's leading "▁" stands for a space.
@@ -226,8 +226,8 @@ class Stream:
     """One in-flight request, fed its engine deltas in order by the model's response thread.
 
     Its outputs hold one value a sequence (`SamplingParams.n`, as vllm_backend sends them):
-    streaming, a reply carries the new text of the sequence whose delta it answers and empty
-    text for the others; a sequence's finish reason is sent from its end on ("" before)."""
+    streaming, a reply carries each sequence's new text of the deltas it answers (empty for
+    the others); a sequence's finish reason is sent from its end on ("" before)."""
 
     request_id: str
     sender: Any  # the model's response sender; unused here
@@ -249,47 +249,64 @@ class Stream:
 
     def on_delta(self, out: RequestOutput) -> Reply | None:
         """What to send for this delta (None: nothing yet). A finished delta always replies."""
+        return self.on_deltas([out])
+
+    def on_deltas(self, outs: list[RequestOutput]) -> Reply | None:
+        """What to send for these deltas of the request, in order (of its sequences, as
+        `coalesce` groups them; only the last may finish the request), as one reply (None:
+        nothing yet). A finished delta always replies."""
         stream, returns = self.req.stream, self.req.returns
+        for out in outs:
+            self._record(out)
+        last = outs[-1]
+        if not last.finished:
+            if self.cancelled or not stream:
+                return None
+            if any(
+                out.text
+                or (out.token_ids and returns["return_num_output_tokens"])
+                or out.finish_reason is not None  # one sequence of several ended
+                for out in outs
+            ):
+                self.replied = True
+                return Reply(self._delta_outputs(outs))
+            return None
+        if last.error:
+            return Reply(final=True, error=last.error)
+        if self.cancelled or (
+            stream and not any(out.text for out in outs) and not any(returns.values())
+        ):
+            return Reply(final=True)  # nothing left to say; just close the stream
+        if stream:
+            return Reply(self._delta_outputs(outs), final=True)
+        texts = [self.req.prefix + "".join(s.texts) for s in self.seqs]
+        return Reply(self._outputs(last, texts, [s.num_output_tokens for s in self.seqs]), True)
+
+    def _record(self, out: RequestOutput) -> None:
+        """A delta's part of its sequence's totals (and, not streaming, of its text)."""
         seq = self.seqs[out.index]
         seq.cumulative_logprob = out.cumulative_logprob
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
+        if not self.req.stream:
+            seq.texts.append(out.text)
         if out.token_ids:
             self.timer.on_tokens(len(out.token_ids), index=out.index)
             seq.num_output_tokens += len(out.token_ids)
-            if returns["return_logprobs"]:
+            if self.req.returns["return_logprobs"]:
                 # NOTE: kept for every token, also those whose text is held back (part of a
                 # character, or of what may be a stop string): the next reply carries them.
                 seq.logprobs.extend(self._token_logprobs(out))
-        if not out.finished:
-            if self.cancelled:
-                return None
-            if not stream:
-                seq.texts.append(out.text)
-                return None
-            ended = out.finish_reason is not None  # one sequence of several ended
-            if out.text or (out.token_ids and returns["return_num_output_tokens"]) or ended:
-                self.replied = True
-                return Reply(self._delta_outputs(out))
-            return None
-        if out.error:
-            return Reply(final=True, error=out.error)
-        if self.cancelled or (stream and not out.text and not any(returns.values())):
-            return Reply(final=True)  # nothing left to say; just close the stream
-        if stream:
-            return Reply(self._delta_outputs(out), final=True)
-        seq.texts.append(out.text)
-        texts = [self.req.prefix + "".join(s.texts) for s in self.seqs]
-        return Reply(self._outputs(out, texts, [s.num_output_tokens for s in self.seqs]), True)
 
-    def _delta_outputs(self, out: RequestOutput) -> list[Output]:
-        """A streamed reply: the delta's text and token count for its sequence, none for the
-        others."""
+    def _delta_outputs(self, outs: list[RequestOutput]) -> list[Output]:
+        """A streamed reply: the deltas' text and token counts for their sequences, none for
+        the others."""
         texts = ["" for _ in self.seqs]
         counts = [0 for _ in self.seqs]
-        texts[out.index] = out.text
-        counts[out.index] = len(out.token_ids)
-        return self._outputs(out, texts, counts)
+        for out in outs:
+            texts[out.index] += out.text
+            counts[out.index] += len(out.token_ids)
+        return self._outputs(outs[-1], texts, counts)
 
     def _token_logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
         """vllm_backend's `logprobs` entries of the delta's tokens: per token, the chosen and

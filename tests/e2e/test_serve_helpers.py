@@ -472,18 +472,23 @@ def test_stream_of_n_sequences_replies_one_value_a_sequence() -> None:
     ]  # fmt: skip
 
 
-def test_coalesce_ends_a_request_after_its_other_sequences() -> None:
+def test_coalesce_gathers_a_requests_sequences_final_last() -> None:
     a0 = RequestOutput("a", text="x", token_ids=[1])
     a1 = RequestOutput("a", text="y", token_ids=[2], index=1)
     a0_end = RequestOutput("a", text="z", token_ids=[3], finish_reason="stop", finished=True)
     b = RequestOutput("b", text="w", token_ids=[4])
-    merged = [item for _, item in coalesce([("out", a0), ("out", a1), ("out", b), ("out", a0_end)])]
-    assert [(m.request_id, m.index, m.text, m.finished) for m in merged] == [
-        ("a", 1, "y", False), ("b", 0, "w", False), ("a", 0, "xz", True)
+    merged = coalesce([("out", a0), ("out", a1), ("out", b), ("out", a0_end)])
+    assert [[(d.request_id, d.index, d.text, d.finished) for d in ds] for _, ds in merged] == [
+        [("b", 0, "w", False)], [("a", 1, "y", False), ("a", 0, "xz", True)]
     ]  # fmt: skip
     a1_more = RequestOutput("a", text="v", token_ids=[5], index=1)
-    merged = [item for _, item in coalesce([("out", a1), ("out", a0), ("out", a1_more)])]
-    assert [(m.index, m.text) for m in merged] == [(1, "yv"), (0, "x")]
+    ((_, ds),) = coalesce([("out", a1), ("out", a0), ("out", a1_more)])
+    assert [(d.index, d.text) for d in ds] == [(0, "x"), (1, "yv")]
+    # one reply for both sequences: each one's new text in its place
+    returns = dict.fromkeys(RETURN_FLAGS, False)
+    live = Stream("a", None, ParsedRequest("P", SamplingParams(n=2), True, returns))
+    reply = live.on_deltas(ds)
+    assert reply is not None and reply.outputs == [("text_output", [b"x", b"yv"], "object")]
 
 
 def test_coalesce_merges_each_requests_queued_deltas() -> None:
@@ -504,19 +509,19 @@ def test_coalesce_merges_each_requests_queued_deltas() -> None:
     new_c = object()
     events = [("out", a1), ("out", b1), ("new", new_c), ("out", a2), ("out", a3)]
     merged = coalesce(events)
-    assert [k for k, _ in merged] == ["out", "out", "new"]
-    a = merged[0][1]
+    assert [k for k, _ in merged] == ["out", "new", "out"]  # each request at its last delta
+    ((a,),) = [ds for k, ds in merged if k == "out" and ds[0].request_id == "a"]
     assert (a.request_id, a.text, a.token_ids) == ("a", "Hello!", [1, 2, 3, 4])
     assert a.logprobs == [-0.1, -0.2, -0.3, -0.4]
     assert a.logprob_ranks == [2, 1, 4, 3]
     assert a.top_logprobs == [[(5, -0.05)], [(2, -0.2)], [(6, -0.1)]]
     assert a.finished and a.finish_reason == "length" and a.num_output_tokens == 4
     assert a.cumulative_logprob == -1.0
-    assert merged[1] == ("out", b1) and merged[2] == ("new", new_c)
+    assert merged[0] == ("out", [b1]) and merged[1] == ("new", new_c)
     # a request's "new" stays ahead of its deltas; nothing after a stop is handled
     c1 = RequestOutput("c", text="y", token_ids=[9])
     assert coalesce([("new", new_c), ("out", c1), ("stop", None), ("out", b1)]) == [
-        ("new", new_c), ("out", c1), ("stop", None),
+        ("new", new_c), ("out", [c1]), ("stop", None),
     ]  # fmt: skip
     # merged, a stream replies once with all the text, and the timer counts every token
     returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_num_output_tokens": True}

@@ -193,18 +193,18 @@ class TritonPythonModel:
         elif kind == "rejected":
             request_id, message = item
             self.active.pop(request_id).sender.send(_error(message), flags=FINAL)
-        elif kind == "out":
-            st = self.active.get(item.request_id)
+        elif kind == "out":  # (a request's deltas, gathered by `coalesce`)
+            st = self.active.get(item[0].request_id)
             if st is not None:
-                self._on_delta(st, item)
+                self._on_deltas(st, item)
 
-    def _on_delta(self, st: Any, out: Any) -> None:
-        reply = st.on_delta(out)
+    def _on_deltas(self, st: Any, outs: list[Any]) -> None:
+        reply = st.on_deltas(outs)
         if reply is None:
             return
         if reply.final:  # the only place the final flag is sent
             del self.active[st.request_id]
-            self.metrics.observe_request(st.timer.timing(engine=out.metrics))
+            self.metrics.observe_request(st.timer.timing(engine=outs[-1].metrics))
         if reply.error is not None:
             response = _error(reply.error)
         elif reply.outputs is None:
