@@ -96,8 +96,8 @@ class _Launched:
 
     out: ScheduleOutput
     step: LaunchedStep
-    # The next batch cannot be scheduled before these tokens are known: a repetition penalty
-    # reads the whole history of its request on the host.
+    # The next batch cannot be scheduled before these tokens are known: a penalty reads the
+    # whole history of its request on the host.
     blocks_scheduling: bool
 
 
@@ -289,7 +289,7 @@ class EngineCore:
             metrics = self.states[req.rid].metrics
             if metrics.first_scheduled is None:
                 metrics.first_scheduled = now
-        blocks = any(req.params.repetition_penalty != 1.0 for req in sampled)
+        blocks = any(req.params.penalizes for req in sampled)
         return _Launched(out, step, blocks)
 
     def _process(self, launched: _Launched) -> None:
@@ -317,12 +317,13 @@ class EngineCore:
         st = self.states[req.rid]
         # min_tokens: a request may not stop on a token before it has that many.
         below_min = len(req.output_ids) < req.params.min_tokens
-        penalized = req.params.repetition_penalty != 1.0
+        penalized = req.params.penalizes
         return SampleRequest(
             req.rid,
             req.params,
             req.all_ids if penalized else [],
             sorted(st.stop_ids) if below_min else [],
+            len(req.prompt_ids),
         )
 
     def _on_token(self, state: _ReqState, token: int, logprob: _TokenLogprobs | None) -> None:

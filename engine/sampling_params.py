@@ -24,7 +24,14 @@ class SamplingParamsError(ValueError):
 
 
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "top_logprobs")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 _BOOL_FIELDS = ("ignore_eos", "logprobs", "skip_special_tokens")
 
 
@@ -43,6 +50,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
 # The most sequences one request may ask for (`n`): each is a request of its own in the batch.
 MAX_N = 64
+# vLLM's (and OpenAI's) range for presence_penalty and frequency_penalty.
+MAX_COUNT_PENALTY = 2.0
 
 
 @dataclass
@@ -62,6 +71,10 @@ class SamplingParams:
         the most likely token; see `Sampler`); `top_logprobs=N` (at most 20) adds the N most
         likely tokens' and turns `logprobs` on. On the wire vLLM's form, `"logprobs": N`, means
         `logprobs=True, top_logprobs=N` (0: the chosen token's alone).
+      - `presence_penalty` and `frequency_penalty` (in [-2, 2], vLLM's and OpenAI's) subtract,
+        from the logit of every token the request has generated so far, the penalty once and
+        the penalty times the token's count; `repetition_penalty` (Hugging Face's rule, over
+        the prompt and the output) applies before them.
       - `seed` makes this request's draws reproducible regardless of the batch it runs in.
       - `n` (at most 64) samples that many sequences for the prompt, each its own request in
         the engine (sequence i seeded with `seed + i` when a seed is given).
@@ -80,6 +93,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
@@ -107,6 +122,16 @@ class SamplingParams:
             if _is_int(value):
                 setattr(self, name, _int_to_float(name, value))
         self.validate()
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether sampling reads the request's tokens so far (a repetition, presence or
+        frequency penalty)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -153,6 +178,10 @@ class SamplingParams:
             _fail("top_logprobs", self.top_logprobs, f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_COUNT_PENALTY <= value <= MAX_COUNT_PENALTY:
+                _fail(name, value, f"must be in [-{MAX_COUNT_PENALTY:g}, {MAX_COUNT_PENALTY:g}]")
         if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
             why = "must be in (0, 3.4e38] (a finite float32)"
             _fail("repetition_penalty", self.repetition_penalty, why)

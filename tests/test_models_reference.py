@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.executor.model_runner import ModelRunner
@@ -155,3 +162,44 @@ def test_mla_pool_stores_latent_not_full_kv(tiny_mla) -> None:
     assert per_token == mc.num_hidden_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * 4
     full_kv = mc.num_hidden_layers * mc.num_attention_heads * (mc.head_dim + mc.v_head_dim) * 4
     assert per_token < full_kv
+
+
+class _CountPenalties(LogitsProcessor):
+    """vLLM's presence and frequency penalties over the generated ids, for transformers."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for tok, count in Counter(input_ids[0, self.prompt_len :].tolist()).items():
+            scores[0, tok] -= self.presence + self.frequency * count
+        return scores
+
+
+def test_presence_and_frequency_penalties_match_transformers(
+    default_model: str, hf_default
+) -> None:
+    """Greedy with vLLM's presence and frequency penalties (and a repetition penalty before
+    them) through the engine, against transformers' generate with the same rule."""
+    llm = LLM(default_model, **{**REFERENCE, "max_total_tokens": 4096})
+    tok = llm.tokenizer
+    prompts = ["1, 2, 3, 5, 8, 13,", "The quick brown fox jumps over the lazy dog. The quick"]
+    for presence, frequency, repetition in [(0.5, 0.7, 1.0), (-0.3, 1.2, 1.15)]:
+        params = SamplingParams(
+            max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=presence,
+            frequency_penalty=frequency, repetition_penalty=repetition,
+        )  # fmt: skip
+        plain = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+        for prompt, out, base in zip(prompts, llm.generate(prompts, params), plain, strict=True):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            processors = LogitsProcessorList(
+                [RepetitionPenaltyLogitsProcessor(repetition)] if repetition != 1.0 else []
+            )
+            processors.append(_CountPenalties(ids.shape[1], presence, frequency))
+            with torch.no_grad():
+                ref = hf_default.generate(
+                    ids, do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                    logits_processor=processors, pad_token_id=tok.eos_token_id,
+                )[0, ids.shape[1] :].tolist()  # fmt: skip
+            assert out.token_ids == ref, f"{prompt!r}: {out.text!r}"
+            assert out.token_ids != base.token_ids  # the penalties changed the text

@@ -175,6 +175,8 @@ def test_overlap_seeded_sampling_and_penalties(tiny_mla) -> None:
             top_k=20 if i % 3 else -1,
             seed=100 + i,
             repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+            presence_penalty=0.4 if i % 4 == 2 else 0.0,
+            frequency_penalty=0.8 if i % 4 == 2 else 0.0,
             logprobs=True,
         )
         for i in range(len(prompts))

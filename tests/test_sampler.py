@@ -17,6 +17,7 @@ from transformers import (
 from engine.layers.sampler import (
     Sampler,
     SamplingBatchInfo,
+    apply_count_penalties,
     apply_repetition_penalty,
     filter_probs,
     make_generator,
@@ -144,6 +145,42 @@ def test_repetition_penalty_ignores_out_of_vocab_ids_and_keeps_input() -> None:
     out = apply_repetition_penalty(logits, torch.tensor([2.0]), [[0, 1, 99]], rows=[0])
     assert torch.equal(out, torch.tensor([[0.5, -2.0, 2.0]]))
     assert torch.equal(logits, before)
+
+
+def test_presence_and_frequency_penalties_follow_the_output_counts() -> None:
+    """vLLM's rule, written out token by token: each output id's logit loses the presence
+    penalty once and the frequency penalty per occurrence; prompt ids and other rows are
+    untouched, and the repetition penalty (over prompt and output) comes first."""
+    torch.manual_seed(4)
+    vocab = 16
+    logits = torch.randn(3, vocab) * 2
+    prompt = [[1, 2, 3], [4, 4], [7]]
+    output = [[3, 5, 5, 5, 99], [], [8, 8]]  # (99: past the vocab, ignored)
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(temperature=0.0, presence_penalty=-1.5),
+        SamplingParams(temperature=0.0, frequency_penalty=2.0, repetition_penalty=1.3),
+    ]
+    expected = logits.clone()
+    for r, p in enumerate(params):
+        if p.repetition_penalty != 1.0:
+            for t in set(prompt[r] + output[r]) & set(range(vocab)):
+                x = expected[r, t]
+                expected[r, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(output[r]) & set(range(vocab)):
+            count = output[r].count(t)
+            expected[r, t] -= p.presence_penalty + p.frequency_penalty * count
+    info = SamplingBatchInfo.from_params(params, [None] * 3, CPU)
+    assert info.penalized_rows == [0, 1, 2] and info.count_rows == [0, 1, 2]
+    assert info.repetition_rows == [2]
+    history = [a + b for a, b in zip(prompt, output, strict=True)]
+    out = Sampler()(logits, info, history, [len(a) for a in prompt])
+    assert torch.equal(out.next_token_ids, expected.argmax(dim=-1))
+    got = apply_count_penalties(
+        logits, info.presence_penalties, info.frequency_penalties, output, [0, 1]
+    )
+    torch.testing.assert_close(got[:2], expected[:2], rtol=0, atol=1e-6)
+    assert torch.equal(got[2], logits[2])  # a row not named is left alone
 
 
 def hf_support(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

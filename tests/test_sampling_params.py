@@ -153,6 +153,8 @@ def test_from_dict_integral_float_accepted() -> None:
         ({"temperature": "hot"}, "temperature='hot'"),
         ({"ignore_eos": 1}, "ignore_eos=1"),
         ({"top_p": "0"}, "top_p=0.0"),
+        ({"presence_penalty": 2.5}, "presence_penalty=2.5"),
+        ({"frequency_penalty": "-3"}, "frequency_penalty=-3.0"),
         ({"n": 0}, "n=0"),
         ({"n": 65}, "n=65"),
         ({"n": 1.5}, "n=1.5"),
@@ -243,3 +245,10 @@ def test_integer_beyond_float_range_names_the_field() -> None:
         SamplingParams.from_json(f'{{"temperature": {huge}}}')
     with pytest.raises(SamplingParamsError, match="^top_p="):
         SamplingParams(top_p=huge)  # type: ignore[arg-type]
+
+
+def test_presence_and_frequency_penalties_accepted() -> None:
+    p = SamplingParams.from_dict({"presence_penalty": "0.5", "frequency_penalty": -1})
+    assert (p.presence_penalty, p.frequency_penalty, p.penalizes) == (0.5, -1.0, True)
+    assert not SamplingParams().penalizes
+    assert SamplingParams(repetition_penalty=1.1).penalizes

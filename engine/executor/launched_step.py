@@ -23,8 +23,9 @@ class SampleRequest:
 
     rid: str
     params: SamplingParams
-    history: list[int]  # prompt + output ids so far; only read with repetition_penalty
+    history: list[int]  # prompt + output ids so far; only read with a penalty (`penalizes`)
     suppressed_ids: list[int]  # ids it may not produce this step (EOS below min_tokens)
+    prompt_len: int = 0  # history's first ids that are the prompt (the rest: its output)
 
 
 class StepOutput(NamedTuple):

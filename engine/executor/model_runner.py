@@ -508,5 +508,7 @@ class ModelRunner:
             logits.device,
             suppressed if any(suppressed) else None,
         )
-        history = [r.history for r in requests] if info.penalized_rows else None
-        return self.sampler(logits, info, history)
+        if not info.penalized_rows:
+            return self.sampler(logits, info)
+        history = [r.history for r in requests]
+        return self.sampler(logits, info, history, [r.prompt_len for r in requests])

@@ -1,7 +1,8 @@
 """Batched token sampling from next-token logits.
 
 Pipeline per batch (logits [B, V], one row per request):
-  1. repetition penalty (Hugging Face rule) on every row that asks for it;
+  1. repetition penalty (Hugging Face rule), then presence and frequency penalties (vLLM's, over
+     the output so far) on every row that asks for them;
   2. greedy rows: exactly `argmax` of the penalized logits (so greedy output matches
      transformers' `generate(do_sample=False)` on the same logits);
   3. other rows: / temperature -> softmax -> top-k -> top-p -> min-p -> draw one token.
@@ -13,6 +14,7 @@ which other requests share the batch. Unseeded rows share torch's default genera
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,12 +57,12 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def argmax_suffices(params: SamplingParams, suppressed_token_ids: list[int]) -> bool:
-    """True when `Sampler` picks exactly `argmax` of this row's logits: greedy, no repetition
-    penalty, no logprobs asked, nothing suppressed. A batch of such rows needs no
+    """True when `Sampler` picks exactly `argmax` of this row's logits: greedy, no penalty, no
+    logprobs asked, nothing suppressed. A batch of such rows needs no
     `SamplingBatchInfo` at all."""
     return (
         params.is_greedy
-        and params.repetition_penalty == 1.0
+        and not params.penalizes
         and not params.logprobs
         and not suppressed_token_ids
     )
@@ -88,11 +90,15 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor  # [B] int64; -1 = off
     min_ps: torch.Tensor  # [B] float32
     repetition_penalties: torch.Tensor  # [B] float32
+    presence_penalties: torch.Tensor  # [B] float32
+    frequency_penalties: torch.Tensor  # [B] float32
     is_greedy: torch.Tensor  # [B] bool
     generators: list[torch.Generator | None]  # one per row; None = default generator
     greedy_rows: list[int]
     sampled_rows: list[int]
-    penalized_rows: list[int]  # rows with repetition_penalty != 1
+    penalized_rows: list[int]  # rows with a penalty (they need the token history)
+    repetition_rows: list[int]  # rows with repetition_penalty != 1
+    count_rows: list[int]  # rows with a presence or frequency penalty
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
     all_greedy: bool
     need_top_k: bool
@@ -136,7 +142,11 @@ class SamplingBatchInfo:
         # One copy for the float fields, one for the integer ones.
         floats = [temps, [p.top_p for p in params], [p.min_p for p in params]]
         floats.append([p.repetition_penalty for p in params])
-        temperatures, top_ps, min_ps, penalties = host_to_device(floats, torch.float32, dev)
+        floats.append([p.presence_penalty for p in params])
+        floats.append([p.frequency_penalty for p in params])
+        temperatures, top_ps, min_ps, penalties, presence, frequency = host_to_device(
+            floats, torch.float32, dev
+        )
         top_ks, is_greedy = host_to_device(
             [[p.top_k for p in params], [int(g) for g in greedy]], torch.int64, dev
         )
@@ -146,11 +156,19 @@ class SamplingBatchInfo:
             top_ks=top_ks,
             min_ps=min_ps,
             repetition_penalties=penalties,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
             is_greedy=is_greedy.bool(),
             generators=list(generators),
             greedy_rows=[i for i, g in enumerate(greedy) if g],
             sampled_rows=[i for i, g in enumerate(greedy) if not g],
-            penalized_rows=[i for i, p in enumerate(params) if p.repetition_penalty != 1.0],
+            penalized_rows=[i for i, p in enumerate(params) if p.penalizes],
+            repetition_rows=[i for i, p in enumerate(params) if p.repetition_penalty != 1.0],
+            count_rows=[
+                i
+                for i, p in enumerate(params)
+                if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            ],
             suppressed=suppressed,
             all_greedy=all(greedy),
             need_top_k=any(p.top_k != -1 for p in sampled),
@@ -195,6 +213,33 @@ def apply_repetition_penalty(
     return out
 
 
+def apply_count_penalties(
+    logits: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    outputs: list[list[int]],
+    rows: list[int],
+) -> torch.Tensor:
+    """vLLM's presence and frequency penalties, out of place, on the given rows: from the logit
+    of every token id that a row's `outputs` (its generated ids so far) hold c > 0 times,
+    subtract presence + frequency * c. logits [B, V] float32, presence and frequency [B]."""
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    counts: list[int] = []
+    for r in rows:
+        for tok, count in Counter(t for t in outputs[r] if 0 <= t < vocab).items():
+            row_idx.append(r)
+            tok_idx.append(tok)
+            counts.append(count)
+    if not row_idx:
+        return logits
+    r_t, t_t, c_t = host_to_device([row_idx, tok_idx, counts], torch.int64, logits.device)
+    out = logits.clone()
+    out[r_t, t_t] -= presence[r_t] + frequency[r_t] * c_t.float()
+    return out
+
+
 def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Zero out tokens removed by top-k, then top-p, then min-p; same vocab order as `probs`.
 
@@ -233,8 +278,9 @@ class Sampler(torch.nn.Module):
     """Turns next-token logits into one token id per request.
 
     `forward(logits [B, V], info, token_history)` -> `SampleOutput`:
-      - `token_history[i]` is request i's prompt + output ids so far; it is read only when some
-        row has repetition_penalty != 1 (pass None otherwise);
+      - `token_history[i]` is request i's prompt + output ids so far, the first
+        `prompt_lens[i]` of them its prompt; they are read only when some row has a penalty
+        (pass None otherwise);
       - ids in `info.suppressed` (see `from_params`) get -inf after the penalty, so they are
         never chosen (unless a row suppresses its whole vocab);
       - greedy rows return exactly `argmax` of the penalized logits (first index on ties);
@@ -255,6 +301,7 @@ class Sampler(torch.nn.Module):
         logits: torch.Tensor,
         info: SamplingBatchInfo,
         token_history: list[list[int]] | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> SampleOutput:
         raw = logits.float()
         batch, vocab = raw.shape
@@ -264,10 +311,18 @@ class Sampler(torch.nn.Module):
         penalized = raw
         if info.penalized_rows:
             if token_history is None:
-                raise ValueError("repetition_penalty needs token_history")
-            penalized = apply_repetition_penalty(
-                raw, info.repetition_penalties, token_history, info.penalized_rows
-            )
+                raise ValueError("a penalty needs token_history")
+            if info.repetition_rows:
+                penalized = apply_repetition_penalty(
+                    penalized, info.repetition_penalties, token_history, info.repetition_rows
+                )
+            if info.count_rows:
+                starts = prompt_lens or [0] * batch
+                outputs = [h[start:] for h, start in zip(token_history, starts, strict=True)]
+                penalized = apply_count_penalties(
+                    penalized, info.presence_penalties, info.frequency_penalties, outputs,
+                    info.count_rows,
+                )  # fmt: skip
         if info.suppressed is not None:
             if penalized is raw:
                 penalized = raw.clone()
