@@ -247,10 +247,6 @@ class Stream:
         """Nothing sent yet and not cancelled: Triton would not notice its HTTP client leave."""
         return not self.replied and not self.cancelled
 
-    def on_delta(self, out: RequestOutput) -> Reply | None:
-        """What to send for this delta (None: nothing yet). A finished delta always replies."""
-        return self.on_deltas([out])
-
     def on_deltas(self, outs: list[RequestOutput]) -> Reply | None:
         """What to send for these deltas of the request, in order (of its sequences, as
         `coalesce` groups them; only the last may finish the request), as one reply (None:

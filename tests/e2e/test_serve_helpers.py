@@ -307,15 +307,15 @@ def test_engine_errors_name_the_input() -> None:
 def test_stream_replies() -> None:
     returns = dict.fromkeys(RETURN_FLAGS, False)
     whole = Stream("r", None, ParsedRequest("P", SamplingParams(), False, returns, prefix="P"))
-    assert whole.on_delta(RequestOutput("r", text=" a", token_ids=[1])) is None
+    assert whole.on_deltas([RequestOutput("r", text=" a", token_ids=[1])]) is None
     assert whole.unanswered
-    reply = whole.on_delta(RequestOutput("r", text=" b", token_ids=[2], finished=True))
+    reply = whole.on_deltas([RequestOutput("r", text=" b", token_ids=[2], finished=True)])
     assert reply is not None and reply.final
     assert reply.outputs == [("text_output", [b"P a b"], "object")]
     live = Stream("s", None, ParsedRequest("P", SamplingParams(), True, returns))
-    reply = live.on_delta(RequestOutput("s", text=" a", token_ids=[1]))
+    reply = live.on_deltas([RequestOutput("s", text=" a", token_ids=[1])])
     assert reply is not None and not reply.final and not live.unanswered
-    done = live.on_delta(RequestOutput("s", finished=True, finish_reason="abort", error="boom"))
+    done = live.on_deltas([RequestOutput("s", finished=True, finish_reason="abort", error="boom")])
     assert done == Reply(final=True, error="boom")
 
 
@@ -339,7 +339,7 @@ def test_logprobs_cover_every_token(stream: bool) -> None:
     streaming; streaming, each reply those since the last, a held-back token's with the next."""
     returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_logprobs": True}
     s = Stream("r", None, ParsedRequest("P", SamplingParams(), stream, returns))
-    replies = [s.on_delta(d) for d in _logprob_deltas("r")]
+    replies = [s.on_deltas([d]) for d in _logprob_deltas("r")]
     sent = [
         json.loads(dict((n, v) for n, (v,), _ in r.outputs)["logprobs"])
         for r in replies
@@ -361,7 +361,7 @@ def test_logprobs_with_top_tokens_and_their_text() -> None:
     returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_logprobs": True}
     req = ParsedRequest("P", SamplingParams(logprobs=True, top_logprobs=2), False, returns)
     s = Stream("r", None, req, decode_token=lambda t: f"<{t}>")
-    replies = [s.on_delta(d) for d in _logprob_deltas("r", top=True)]
+    replies = [s.on_deltas([d]) for d in _logprob_deltas("r", top=True)]
     assert replies[3] is not None and replies[3].outputs is not None
     sent = json.loads(dict((n, v) for n, (v,), _ in replies[3].outputs)["logprobs"])
     top = {
@@ -376,7 +376,7 @@ def test_logprobs_with_top_tokens_and_their_text() -> None:
         "q", token_ids=[7], logprobs=[float("-inf")], logprob_ranks=[50], finished=True
     )
     s = Stream("q", None, ParsedRequest("P", SamplingParams(logprobs=True), False, returns))
-    reply = s.on_delta(ruled_out)
+    reply = s.on_deltas([ruled_out])
     assert reply is not None and reply.outputs is not None
     sent = json.loads(dict((n, v) for n, (v,), _ in reply.outputs)["logprobs"])
     assert sent == [{"7": {"logprob": -9999.0, "rank": 50}}]  # strict JSON: no -Infinity
@@ -435,10 +435,10 @@ def test_stream_of_n_sequences_replies_one_value_a_sequence() -> None:
         )  # fmt: skip
 
     whole = Stream("r", None, ParsedRequest("P", params, False, returns, prefix="P"))
-    assert whole.on_delta(delta(0, " a", 1)) is None
-    assert whole.on_delta(delta(1, " b", 2)) is None
-    assert whole.on_delta(delta(1, " c", 3, finish_reason="length")) is None
-    reply = whole.on_delta(delta(0, " d", 4, finish_reason="stop", finished=True))
+    assert whole.on_deltas([delta(0, " a", 1)]) is None
+    assert whole.on_deltas([delta(1, " b", 2)]) is None
+    assert whole.on_deltas([delta(1, " c", 3, finish_reason="length")]) is None
+    reply = whole.on_deltas([delta(0, " d", 4, finish_reason="stop", finished=True)])
     assert reply is not None and reply.final and reply.outputs is not None
     got = {name: values for name, values, _ in reply.outputs}
     assert got["text_output"] == [b"P a d", b"P b c"]
@@ -449,7 +449,7 @@ def test_stream_of_n_sequences_replies_one_value_a_sequence() -> None:
 
     live = Stream("r", None, ParsedRequest("P", params, True, returns))
     replies = [
-        live.on_delta(d)
+        live.on_deltas([d])
         for d in (
             delta(0, " a", 1), delta(1, " b", 2), delta(1, "", 3, finish_reason="length"),
             delta(0, " d", 4, finish_reason="stop", finished=True),
@@ -526,7 +526,7 @@ def test_coalesce_merges_each_requests_queued_deltas() -> None:
     # merged, a stream replies once with all the text, and the timer counts every token
     returns = dict.fromkeys(RETURN_FLAGS, False) | {"return_num_output_tokens": True}
     live = Stream("a", None, ParsedRequest("P", SamplingParams(), True, returns))
-    reply = live.on_delta(a)
+    reply = live.on_deltas([a])
     assert reply is not None and reply.final
     assert reply.outputs == [
         ("text_output", [b"Hello!"], "object"),
